@@ -1,0 +1,1 @@
+"""The HTTP surface: routes, dependencies and problem+json errors. No SQL, no commit."""

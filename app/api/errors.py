@@ -1,0 +1,79 @@
+"""Every error leaves as `application/problem+json` (RFC 9457).
+
+Three sources are mapped here: our own `ProblemError`, FastAPI's request
+validation (a malformed body is a 400 that changes nothing), and Starlette's
+HTTP exceptions (unknown routes, wrong methods). Anything else is a bug: it is
+logged and answered with a generic 500 that reveals nothing internal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.problems import (
+    INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_ALLOWED, NOT_FOUND, ProblemError, ProblemType,
+)
+
+log = logging.getLogger(__name__)
+PROBLEM_JSON = "application/problem+json"
+
+
+def problem_response(
+    problem: ProblemType,
+    detail: str,
+    *,
+    instance: str | None = None,
+    headers: dict[str, str] | None = None,
+    **extensions: Any,
+) -> Response:
+    body = {"type": problem.uri, "title": problem.title, "status": problem.status, "detail": detail}
+    if instance:
+        body["instance"] = instance
+    body.update(extensions)
+    return Response(
+        content=json.dumps(body, default=str),
+        status_code=problem.status,
+        media_type=PROBLEM_JSON,
+        headers=headers,
+    )
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ProblemError)
+    async def _problem(request: Request, exc: ProblemError) -> Response:
+        return problem_response(
+            exc.problem, exc.detail, instance=request.url.path, headers=exc.headers, **exc.extensions
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        errors = [
+            {"location": list(e.get("loc", ())), "message": e.get("msg", ""), "type": e.get("type", "")}
+            for e in exc.errors()
+        ]
+        return problem_response(
+            INVALID_REQUEST,
+            "; ".join(f"{'.'.join(map(str, e['location']))}: {e['message']}" for e in errors)[:1000],
+            instance=request.url.path,
+            errors=errors,
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        problem = {404: NOT_FOUND, 405: METHOD_NOT_ALLOWED}.get(exc.status_code)
+        if problem is None:
+            body = {"type": "about:blank", "title": str(exc.detail), "status": exc.status_code}
+            return Response(json.dumps(body), exc.status_code, media_type=PROBLEM_JSON, headers=exc.headers)
+        return problem_response(problem, str(exc.detail), instance=request.url.path, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return problem_response(INTERNAL_ERROR, "an unexpected error occurred", instance=request.url.path)

@@ -1,0 +1,127 @@
+"""The routes: translate HTTP to calls on `app.payments.service` and back."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Response
+
+from app.api.deps import ClientId, IdempotencyKey, ServicesDep
+from app.api.schemas import KeyView, ProblemDoc
+from app.db.engine import ping
+from app.db.transaction import read
+from app.idempotency import store as keys
+from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
+from app.payments import store as payments
+from app.payments.models import PaymentRequest, PaymentView
+from app.payments.runner import Finished
+from app.payments.service import submit_payment
+from app.problems import CATALOGUE, NOT_FOUND, ProblemError
+
+router = APIRouter()
+
+PROBLEM = "application/problem+json"
+
+
+def _problem_doc(*slugs: str) -> dict[str, Any]:
+    return {
+        "content": {PROBLEM: {"examples": {s: {"value": _example(s)} for s in slugs}}},
+        "description": " / ".join(CATALOGUE[s].title for s in slugs),
+    }
+
+
+def _example(slug: str) -> dict[str, Any]:
+    p = CATALOGUE[slug]
+    return {"type": p.uri, "title": p.title, "status": p.status, "detail": p.description}
+
+
+@router.post(
+    "/v1/payments",
+    status_code=201,
+    response_model=PaymentView,
+    summary="Create a payment, exactly once",
+    description=(
+        "Charges the card at the PSP and pays the net amount out over the rail. Safe to retry "
+        "with the same `Idempotency-Key` and body: a finished payment is replayed byte for byte "
+        "with `Idempotent-Replayed: true`; one still in flight answers 409 with `Retry-After`."
+    ),
+    responses={
+        201: {"description": "Final outcome: `status` is succeeded, declined or failed (refunded)."},
+        202: {
+            "model": PaymentView,
+            "description": "Outcome not yet known (an external call timed out). Poll `Location`, or "
+            "retry with the same key. Never a failure.",
+        },
+        400: _problem_doc("idempotency-key-missing", "idempotency-key-invalid", "invalid-request"),
+        401: _problem_doc("unauthenticated"),
+        409: _problem_doc("request-in-progress", "duplicate-payment"),
+        422: _problem_doc("idempotency-key-reused"),
+    },
+)
+async def create_payment(
+    services: ServicesDep, client_id: ClientId, key: IdempotencyKey, body: PaymentRequest
+) -> Response:
+    reply = await submit_payment(services, client_id, key, body)
+    outcome = reply.outcome
+    if isinstance(outcome, Finished):
+        headers = {"Idempotent-Replayed": "true"} if reply.replayed else {}
+        return Response(outcome.body, outcome.status_code, headers=headers, media_type="application/json")
+    payment = outcome.operation.payment
+    return Response(
+        PaymentView.of(payment).body(),
+        202,
+        headers={
+            "Location": f"/v1/payments/{payment.id}",
+            "Retry-After": str(services.settings.retry_after_seconds),
+        },
+        media_type="application/json",
+    )
+
+
+@router.get(
+    "/v1/payments/{payment_id}",
+    response_model=PaymentView,
+    summary="A payment's current state",
+    responses={401: _problem_doc("unauthenticated"), 404: _problem_doc("not-found")},
+)
+async def get_payment(services: ServicesDep, client_id: ClientId, payment_id: str) -> PaymentView:
+    try:
+        pid = uuid.UUID(payment_id)
+    except ValueError:
+        pid = None
+    payment = pid and await read(services.engine, payments.get, client_id, pid)
+    if not payment:
+        # Another client's payment is "not found" too, never "forbidden".
+        raise ProblemError(NOT_FOUND, "no such payment")
+    return PaymentView.of(payment)
+
+
+@router.get(
+    "/v1/idempotency-keys/{key:path}",
+    response_model=KeyView,
+    summary="An operation's state machine row and timeline",
+    responses={401: _problem_doc("unauthenticated"), 404: _problem_doc("not-found")},
+)
+async def get_idempotency_key(services: ServicesDep, client_id: ClientId, key: str) -> KeyView:
+    try:
+        row = await read(services.engine, keys.load, client_id, parse_idempotency_key(key))
+    except InvalidIdempotencyKey:
+        row = None
+    if row is None:
+        raise ProblemError(NOT_FOUND, "no such idempotency key")
+    return KeyView.of(row)
+
+
+@router.get("/problems/{slug}", response_model=ProblemDoc, summary="What a problem `type` means", tags=["meta"])
+async def get_problem(slug: str) -> ProblemDoc:
+    problem = CATALOGUE.get(slug)
+    if problem is None:
+        raise ProblemError(NOT_FOUND, "no such problem type")
+    return ProblemDoc(type=problem.uri, title=problem.title, status=problem.status, description=problem.description)
+
+
+@router.get("/healthz", summary="Liveness and database reachability", tags=["meta"])
+async def healthz(services: ServicesDep) -> dict[str, str]:
+    await read(services.engine, ping)
+    return {"status": "ok"}

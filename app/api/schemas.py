@@ -1,0 +1,65 @@
+"""Response models that exist only for the HTTP surface."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from app.idempotency.store import KeyRow
+
+
+class TimelineEntry(BaseModel):
+    at: datetime
+    event: str
+    recovery_point: str
+    attempt: int
+
+
+class KeyView(BaseModel):
+    """An operation's state machine row, for learners and operators."""
+
+    key: str
+    endpoint: str
+    state: Literal["started", "finished"]
+    recovery_point: str = Field(description="The last fact made durable; see docs/request-path.md.")
+    payment_id: uuid.UUID | None
+    attempts: int
+    lease_held: bool = Field(description="Whether an attempt owns the operation right now.")
+    last_error: str | None
+    response_code: int | None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+    timeline: list[TimelineEntry]
+
+    @classmethod
+    def of(cls, row: KeyRow) -> KeyView:
+        return cls(
+            key=row.key,
+            endpoint=row.endpoint,
+            state=row.state,  # type: ignore[arg-type]
+            recovery_point=row.recovery_point,
+            payment_id=row.payment_id,
+            attempts=row.attempts,
+            lease_held=row.lease_live,
+            last_error=row.last_error,
+            response_code=row.response_code,
+            created_at=row.created_at,
+            updated_at=row.updated_at,
+            finished_at=row.finished_at,
+            timeline=[TimelineEntry(**entry) for entry in row.timeline],
+        )
+
+
+class ProblemDoc(BaseModel):
+    type: str
+    title: str
+    status: int
+    description: str
+
+
+def problem_example(slug: str, status: int, title: str, detail: str, **extra: Any) -> dict[str, Any]:
+    return {"type": f"/problems/{slug}", "title": title, "status": status, "detail": detail, **extra}

@@ -1,0 +1,219 @@
+"""The `payments` command: run the API, migrate, manage clients, start the stack.
+
+`payments run` is what `make run` calls: the whole system on one machine, on
+an embedded PostgreSQL unless DATABASE_URL names a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import typer
+from rich.console import Console
+
+cli = typer.Typer(help="Exactly-once payments service.", no_args_is_help=True, add_completion=False)
+clients_cli = typer.Typer(help="Manage API clients.", no_args_is_help=True)
+cli.add_typer(clients_cli, name="clients")
+console = Console()
+
+
+def _database_url() -> str:
+    url = os.environ.get("DATABASE_URL")
+    if not url:
+        console.print("[red]DATABASE_URL is not set.[/] Use `make run`, or point it at a PostgreSQL server.")
+        raise typer.Exit(2)
+    return url
+
+
+def migrate_database(url: str) -> None:
+    """Bring the schema to the newest Alembic revision."""
+    from alembic import command
+    from alembic.config import Config
+
+    config = Config(str(Path(__file__).resolve().parent.parent / "alembic.ini"))
+    config.attributes["database_url"] = url
+    command.upgrade(config, "head")
+
+
+def create_client(url: str, name: str, api_key: str | None = None) -> tuple[int, str]:
+    from app import clients
+    from app.config import asyncpg_url
+    from app.db.transaction import atomic
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    api_key = api_key or clients.new_api_key()
+
+    async def go() -> int:
+        engine = create_async_engine(asyncpg_url(url))
+        try:
+            return await atomic(engine, clients.create, name, api_key)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go()), api_key
+
+
+@cli.command()
+def api(
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    workers: int = typer.Option(1, help="Worker processes (uvicorn)."),
+) -> None:
+    """Serve the payment API (settings from the environment; see README)."""
+    import uvicorn
+
+    _database_url()
+    uvicorn.run(
+        "app.main:create_app", factory=True, host=host, port=port, workers=workers,
+        log_level="warning", access_log=False,
+    )
+
+
+@cli.command()
+def migrate() -> None:
+    """Apply database migrations (Alembic) to DATABASE_URL."""
+    migrate_database(_database_url())
+    console.print("schema is at the newest revision")
+
+
+@clients_cli.command("create")
+def clients_create(name: str) -> None:
+    """Create a client and print its API key (shown once, stored hashed)."""
+    client_id, api_key = create_client(_database_url(), name)
+    console.print(f"client {client_id} ({name}) API key: [bold]{api_key}[/]")
+    console.print("It is stored only as a hash: keep it now.")
+
+
+@cli.command()
+def run(
+    api_port: int = typer.Option(8000, envvar="API_PORT"),
+    psp_port: int = typer.Option(8101, envvar="PSP_PORT"),
+    rail_port: int = typer.Option(8102, envvar="RAIL_PORT"),
+) -> None:
+    """Start everything: database, migrations, fake PSP, fake rail, API. Ctrl-C stops it all."""
+    from app import embedded_db
+
+    server, started_db = None, False
+    url = os.environ.get("DATABASE_URL")
+    if not url:
+        server = embedded_db.default_server()
+        with console.status("starting embedded PostgreSQL"):
+            started_db = embedded_db.start(server)
+        embedded_db.create_database(server.url(), "payments")
+        url = server.url("payments")
+        console.print(f"PostgreSQL (embedded) at {url}" + ("" if started_db else " (already running)"))
+    migrate_database(url)
+    api_key = _demo_api_key(url)
+
+    env = {**os.environ, "DATABASE_URL": url,
+           "PSP_URL": f"http://127.0.0.1:{psp_port}", "RAIL_URL": f"http://127.0.0.1:{rail_port}"}
+    bin_dir = Path(sys.executable).parent
+    commands = {
+        "fake PSP": ([str(bin_dir / "fake-psp"), "--port", str(psp_port)], psp_port),
+        "fake rail": ([str(bin_dir / "fake-rail"), "--port", str(rail_port)], rail_port),
+        "API": ([str(bin_dir / "payments"), "api", "--port", str(api_port)], api_port),
+    }
+    children: list[subprocess.Popen] = []
+    try:
+        for name, (argv, port) in commands.items():
+            children.append(subprocess.Popen(argv, env=env))
+            _wait_healthy(name, port, children[-1])
+        _print_welcome(api_port, psp_port, rail_port, api_key)
+        signal.signal(signal.SIGTERM, _interrupt)
+        while all(child.poll() is None for child in children):
+            time.sleep(0.5)
+        console.print("[red]a process exited; stopping everything[/]")
+    except KeyboardInterrupt:
+        console.print("\nstopping")
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.terminate()
+        for child in children:
+            try:
+                child.wait(10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        if server is not None and started_db:
+            embedded_db.stop(server)
+            console.print("embedded PostgreSQL stopped (data kept in .data/)")
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _demo_api_key(url: str) -> str:
+    """The demo client's key: kept in .data/ so a second `make run` prints the same one."""
+    from app import clients
+    from app.config import asyncpg_url
+    from app.db.transaction import read
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    path = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")) / "demo-api-key"
+    if path.exists():
+        api_key = path.read_text().strip()
+
+        async def known() -> bool:
+            engine = create_async_engine(asyncpg_url(url))
+            try:
+                return await read(engine, clients.authenticate, api_key) is not None
+            finally:
+                await engine.dispose()
+
+        if asyncio.run(known()):
+            return api_key
+    _, api_key = create_client(url, "demo")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(api_key + "\n")
+    return api_key
+
+
+def _wait_healthy(name: str, port: int, child: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise SystemExit(f"{name} exited with code {child.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{name} did not become healthy on port {port}")
+
+
+def _print_welcome(api_port: int, psp_port: int, rail_port: int, api_key: str) -> None:
+    key = f"demo-{uuid.uuid4()}"
+    reference = f"order-{uuid.uuid4().hex[:8]}"
+    body = (
+        '{"amount": 1250, "currency": "EUR", "reference": "' + reference + '", "card_token": "tok_visa", '
+        '"beneficiary": {"name": "Ada Lovelace", "iban": "DE89370400440532013000"}}'
+    )
+    console.rule("[bold green]exactly-once payments is running")
+    console.print(f"API        http://127.0.0.1:{api_port}   (OpenAPI UI: http://127.0.0.1:{api_port}/docs)")
+    console.print(f"fake PSP   http://127.0.0.1:{psp_port}   (records: /_admin/charges)")
+    console.print(f"fake rail  http://127.0.0.1:{rail_port}   (records: /_admin/transfers)")
+    console.print(f"API key    [bold]{api_key}[/]  (client 'demo')")
+    console.print("\nPay once (paste it twice: the second answer is a replay, with Idempotent-Replayed: true):\n")
+    console.print(
+        f"curl -i -X POST http://127.0.0.1:{api_port}/v1/payments \\\n"
+        f"  -H 'Authorization: Bearer {api_key}' \\\n"
+        f"  -H 'Idempotency-Key: {key}' \\\n"
+        f"  -H 'Content-Type: application/json' \\\n"
+        f"  -d '{body}'",
+        soft_wrap=True, highlight=False, markup=False,
+    )
+    console.print("\nCtrl-C stops every process started here.")
+
+
+def main() -> None:
+    cli()

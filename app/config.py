@@ -1,0 +1,54 @@
+"""Settings, read from the environment once, in `create_app` or a CLI command.
+
+Nothing reads the environment at import time, so tests and tools can build an
+app with explicit settings and several apps can live in one process.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def asyncpg_url(url: str) -> str:
+    """SQLAlchemy's spelling of a PostgreSQL URL that uses the asyncpg driver."""
+    for prefix in ("postgresql+asyncpg://", "postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+asyncpg://" + url[len(prefix) :]
+    raise ValueError(f"not a PostgreSQL URL: {url!r}")
+
+
+def libpq_url(url: str) -> str:
+    """The driver-free spelling, for asyncpg itself, psql and pgbench."""
+    return "postgresql://" + asyncpg_url(url)[len("postgresql+asyncpg://") :]
+
+
+class Settings(BaseSettings):
+    """Every knob of the service, documented in README.md#configuration."""
+
+    model_config = SettingsConfigDict(env_file=None, extra="ignore")
+
+    database_url: str = Field(
+        description="PostgreSQL holding the key table, payments and ledger."
+    )
+    psp_url: str = "http://127.0.0.1:8101"
+    rail_url: str = "http://127.0.0.1:8102"
+
+    # A lease must outlast the slowest phase plus its external call, or a live
+    # owner would be taken over while it is still working (it would then be
+    # fenced off, so this costs time, never money).
+    lease_seconds: float = Field(default=60.0, gt=0)
+    # How long one external call may take before its outcome counts as unknown.
+    psp_timeout_seconds: float = Field(default=5.0, gt=0)
+    rail_timeout_seconds: float = Field(default=5.0, gt=0)
+    # Inline retries, with the same derived key, of a 429/503 answered before
+    # anything was applied. Bounded so a request never waits for long.
+    transient_retries: int = Field(default=2, ge=0, le=5)
+    # What a client is told to wait before retrying a request still in flight.
+    retry_after_seconds: int = Field(default=1, ge=1)
+    db_pool_size: int = Field(default=20, ge=1)
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_only(cls, value: str) -> str:
+        return asyncpg_url(value)

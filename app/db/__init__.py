@@ -1,0 +1,1 @@
+"""Database access: the engine, and the one helper that owns transactions."""

@@ -1,0 +1,1 @@
+"""The idempotency key protocol: validate, fingerprint, claim, take over, replay."""

@@ -1,0 +1,247 @@
+"""The key table's operations: claim, load, take over, advance, release.
+
+Every function takes a connection that is already inside a transaction (see
+`app.db.transaction`) and never commits. Ownership is decided by the database
+alone: a claim is an INSERT that either returns a row or does not, a takeover
+is a conditional UPDATE that either returns a row or does not, and every later
+write names the lease token it was given, so a stalled owner whose lease was
+taken over updates zero rows and is stopped (`LeaseLost`). Lease times use the
+database's clock, never a replica's, so clock skew between replicas cannot make
+two of them believe they own the same request.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.payments.recovery_points import FINISHED
+
+
+class LeaseLost(Exception):
+    """This attempt no longer owns the operation; its transaction must roll back."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Proof of ownership: the only thing a phase needs to write to the key row."""
+
+    client_id: int
+    key: str
+    token: uuid.UUID
+
+
+@dataclass(frozen=True)
+class KeyRow:
+    client_id: int
+    key: str
+    endpoint: str
+    request_hash: bytes
+    state: str
+    recovery_point: str
+    payment_id: uuid.UUID | None
+    lease_live: bool
+    lease_seconds_left: float
+    attempts: int
+    last_error: str | None
+    response_code: int | None
+    response_body: str | None
+    timeline: list[dict[str, Any]]
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+
+_COLUMNS = """
+    client_id, key, endpoint, request_hash, state, recovery_point, payment_id,
+    coalesce(lease_expires_at > now(), false) AS lease_live,
+    greatest(extract(epoch FROM lease_expires_at - now()), 0)::float8 AS lease_seconds_left,
+    attempts, last_error, response_code, response_body, timeline,
+    created_at, updated_at, finished_at
+"""
+
+# One timeline entry per state change, appended in the same UPDATE as the
+# change itself, so the history can never disagree with the row.
+_EVENT = (
+    "timeline || jsonb_build_object('at', now(), 'event', CAST(:event AS text), "
+    "'recovery_point', CAST(:recovery_point AS text), 'attempt', attempts)"
+)
+
+_CLAIM = text(
+    f"""
+    INSERT INTO idempotency_key AS k
+        (client_id, key, endpoint, request_hash, state, recovery_point, payment_id,
+         lease_token, lease_expires_at, timeline)
+    VALUES (:client_id, :key, :endpoint, :request_hash, 'started', :recovery_point,
+            :payment_id, gen_random_uuid(),
+            now() + make_interval(secs => :lease_seconds),
+            jsonb_build_array(jsonb_build_object(
+                'at', now(), 'event', 'claimed',
+                'recovery_point', CAST(:recovery_point AS text), 'attempt', 1)))
+    ON CONFLICT (client_id, key) DO NOTHING
+    RETURNING lease_token
+    """
+)
+
+_LOAD = text(f"SELECT {_COLUMNS} FROM idempotency_key WHERE client_id = :client_id AND key = :key")
+
+# Diagram 4 of the seed: take over only from an owner that looks dead. Of two
+# concurrent retries, the second waits for the first's row lock, re-checks the
+# WHERE clause against the new lease, and gets no row.
+_TAKE_OVER = text(
+    f"""
+    UPDATE idempotency_key
+       SET lease_token = gen_random_uuid(),
+           lease_expires_at = now() + make_interval(secs => :lease_seconds),
+           attempts = attempts + 1,
+           updated_at = now(),
+           -- SET expressions see the old row, hence attempts + 1 here.
+           timeline = {_EVENT.replace("CAST(:recovery_point AS text)", "recovery_point").replace("attempts)", "attempts + 1)")}
+     WHERE client_id = :client_id AND key = :key
+       AND state = 'started'
+       AND (lease_expires_at IS NULL OR lease_expires_at < now())
+    RETURNING lease_token, recovery_point, payment_id
+    """
+)
+
+# The fencing check is the `lease_token = :token` in the WHERE clause: a stale
+# owner's UPDATE matches no row, and the caller rolls its phase back.
+_ADVANCE = text(
+    f"""
+    UPDATE idempotency_key
+       SET recovery_point = :recovery_point,
+           lease_expires_at = now() + make_interval(secs => :lease_seconds),
+           last_error = NULL,
+           updated_at = now(),
+           timeline = {_EVENT}
+     WHERE client_id = :client_id AND key = :key
+       AND lease_token = :token AND state = 'started'
+    """
+)
+
+_FINISH = text(
+    f"""
+    UPDATE idempotency_key
+       SET state = 'finished',
+           recovery_point = :recovery_point,
+           response_code = :response_code,
+           response_body = :response_body,
+           lease_token = NULL,
+           lease_expires_at = NULL,
+           last_error = NULL,
+           finished_at = now(),
+           updated_at = now(),
+           timeline = {_EVENT}
+     WHERE client_id = :client_id AND key = :key
+       AND lease_token = :token AND state = 'started'
+    """
+)
+
+# Releasing the lease invites the next actor (a retry, the recovery worker) to
+# take over at once instead of waiting for the lease to run out.
+_RELEASE = text(
+    f"""
+    UPDATE idempotency_key
+       SET lease_token = NULL,
+           lease_expires_at = NULL,
+           last_error = :error,
+           updated_at = now(),
+           timeline = {_EVENT.replace("CAST(:recovery_point AS text)", "recovery_point")}
+     WHERE client_id = :client_id AND key = :key
+       AND lease_token = :token AND state = 'started'
+    """
+)
+
+
+async def claim(
+    conn: AsyncConnection,
+    *,
+    client_id: int,
+    key: str,
+    endpoint: str,
+    request_hash: bytes,
+    recovery_point: str,
+    payment_id: uuid.UUID,
+    lease_seconds: float,
+) -> Lease | None:
+    """Insert the key; a lease if this request owns the operation, else None."""
+    token = (
+        await conn.execute(
+            _CLAIM,
+            dict(
+                client_id=client_id,
+                key=key,
+                endpoint=endpoint,
+                request_hash=request_hash,
+                recovery_point=recovery_point,
+                payment_id=payment_id,
+                lease_seconds=lease_seconds,
+            ),
+        )
+    ).scalar_one_or_none()
+    return None if token is None else Lease(client_id, key, token)
+
+
+async def load(conn: AsyncConnection, client_id: int, key: str) -> KeyRow | None:
+    row = (await conn.execute(_LOAD, dict(client_id=client_id, key=key))).mappings().one_or_none()
+    return None if row is None else KeyRow(**row)
+
+
+async def take_over(
+    conn: AsyncConnection, client_id: int, key: str, lease_seconds: float, *, event: str
+) -> Lease | None:
+    """Become the owner of an unfinished operation whose lease has run out."""
+    token = (
+        await conn.execute(
+            _TAKE_OVER,
+            dict(client_id=client_id, key=key, lease_seconds=lease_seconds, event=event),
+        )
+    ).scalar_one_or_none()
+    return None if token is None else Lease(client_id, key, token)
+
+
+async def advance(
+    conn: AsyncConnection, lease: Lease, recovery_point: str, lease_seconds: float, *, event: str
+) -> None:
+    """Record a new recovery point and renew the lease, or raise LeaseLost."""
+    await _fenced(
+        conn,
+        _ADVANCE,
+        lease,
+        recovery_point=recovery_point,
+        lease_seconds=lease_seconds,
+        event=event,
+    )
+
+
+async def finish(
+    conn: AsyncConnection, lease: Lease, response_code: int, response_body: str, *, event: str
+) -> None:
+    """Store the final response beside state=finished, or raise LeaseLost."""
+    await _fenced(
+        conn,
+        _FINISH,
+        lease,
+        recovery_point=FINISHED,
+        response_code=response_code,
+        response_body=response_body,
+        event=event,
+    )
+
+
+async def release(conn: AsyncConnection, lease: Lease, error: str, *, event: str) -> None:
+    """Give up ownership without changing the recovery point, or raise LeaseLost."""
+    await _fenced(conn, _RELEASE, lease, error=error, event=event)
+
+
+async def _fenced(conn: AsyncConnection, statement, lease: Lease, **params) -> None:
+    result = await conn.execute(
+        statement, dict(client_id=lease.client_id, key=lease.key, token=lease.token, **params)
+    )
+    if result.rowcount != 1:
+        raise LeaseLost(f"lease on {lease.key!r} was taken over; this attempt must stop")

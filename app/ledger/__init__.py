@@ -1,0 +1,1 @@
+"""The double-entry ledger: every movement of money, balanced per payment."""

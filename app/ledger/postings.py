@@ -1,0 +1,73 @@
+"""Ledger postings, written inside the phase that learns the money moved.
+
+Each posting is a set of entries whose debits equal their credits, so every
+payment's entries balance after every phase. The accounts:
+
+    psp_receivable       what the PSP owes us for captured charges (asset)
+    beneficiary_payable  what we owe beneficiaries until the rail pays them (liability)
+    fee_revenue          our fees (income)
+    rail_settlement      money sent out over the rail (asset, decreasing)
+
+The table's UNIQUE (payment_id, posting, account) means a posting can land
+only once per payment, even if a bug upstream tried to run a phase twice.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.payments.models import Payment
+
+_INSERT = text(
+    """
+    INSERT INTO ledger_entry (payment_id, posting, account, debit_minor, credit_minor, currency)
+    SELECT CAST(:payment_id AS uuid), CAST(:posting AS text), e.account, e.debit, e.credit,
+           CAST(:currency AS char(3))
+      FROM unnest(CAST(:accounts AS text[]), CAST(:debits AS bigint[]), CAST(:credits AS bigint[]))
+           AS e(account, debit, credit)
+    """
+)
+
+
+def charge_captured(p: Payment) -> list[tuple[str, int, int]]:
+    """Handler2: the PSP captured the amount; the net is owed on, the fee is ours."""
+    return [
+        ("psp_receivable", p.amount_minor, 0),
+        ("beneficiary_payable", 0, p.net_minor),
+        ("fee_revenue", 0, p.fee_minor),
+    ]
+
+
+def payout_sent(p: Payment) -> list[tuple[str, int, int]]:
+    """Handler3: the rail accepted the payout; we no longer owe the beneficiary."""
+    return [("beneficiary_payable", p.net_minor, 0), ("rail_settlement", 0, p.net_minor)]
+
+
+def charge_refunded(p: Payment) -> list[tuple[str, int, int]]:
+    """Compensation: the payout was rejected and the charge refunded, fee included."""
+    return [
+        ("beneficiary_payable", p.net_minor, 0),
+        ("fee_revenue", p.fee_minor, 0),
+        ("psp_receivable", 0, p.amount_minor),
+    ]
+
+
+async def post(conn: AsyncConnection, payment: Payment, posting: str, entries: list[tuple[str, int, int]]) -> None:
+    # Zero-amount legs (a zero fee) carry no information and would break the
+    # one-sided CHECK, so they are left out.
+    entries = [e for e in entries if e[1] or e[2]]
+    if sum(e[1] for e in entries) != sum(e[2] for e in entries):
+        raise AssertionError(f"unbalanced posting {posting} for payment {payment.id}")
+    accounts, debits, credits = zip(*entries)
+    await conn.execute(
+        _INSERT,
+        dict(
+            payment_id=payment.id,
+            posting=posting,
+            currency=payment.currency,
+            accounts=list(accounts),
+            debits=list(debits),
+            credits=list(credits),
+        ),
+    )

@@ -1,0 +1,54 @@
+"""create_app(settings): wiring only. Builds the engine, the HTTP client and the
+rail clients once per process, and hands them to the routes."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+
+from app.api import errors
+from app.api.routes import router
+from app.config import Settings
+from app.db.engine import build_engine
+from app.payments.runner import Services
+from app.problems import CATALOGUE
+from app.rails.client import PSP, Rail
+
+DESCRIPTION = """
+A payments API that moves money **exactly once**, however often a request is
+retried and wherever a process dies. Send every `POST /v1/payments` with an
+`Idempotency-Key` you generate once per payment; retry with the same key.
+
+Errors are `application/problem+json` (RFC 9457). Problem types:
+
+""" + "\n".join(f"- `{p.uri}` ({p.status}): {p.title}" for p in CATALOGUE.values())
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine = build_engine(settings)
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=100)
+        async with httpx.AsyncClient(limits=limits) as http:
+            app.state.services = Services(
+                settings=settings,
+                engine=engine,
+                psp=PSP(http, settings.psp_url, settings.psp_timeout_seconds, settings.transient_retries),
+                rail=Rail(http, settings.rail_url, settings.rail_timeout_seconds, settings.transient_retries),
+            )
+            yield
+        await engine.dispose()
+
+    app = FastAPI(
+        title="Exactly-once payments",
+        version="0.1.0",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+    )
+    errors.install(app)
+    app.include_router(router)
+    return app

@@ -1,0 +1,1 @@
+"""The payment operation: its recovery points, its phases, and the runner."""

@@ -1,0 +1,195 @@
+"""What a payment is: the request a client sends, the row we keep, the view we return.
+
+The request model is also the fingerprint's input: two bodies that validate to
+the same `PaymentRequest` are the same payment.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+# ISO 4217 codes we settle, with their minor-unit exponent (for people reading
+# amounts; the service itself only ever handles integer minor units).
+CURRENCIES = {"EUR": 2, "GBP": 2, "USD": 2, "CHF": 2, "SEK": 2, "DKK": 2, "NOK": 2, "PLN": 2, "JPY": 0}
+MAX_AMOUNT_MINOR = 1_000_000_000  # ten million in a two-decimal currency
+
+# Our fee: 1.4% rounded up, plus a fixed 25 minor units. Integers only: money
+# is never a float here.
+FEE_BASIS_POINTS = 140
+FEE_FIXED_MINOR = 25
+
+PaymentStatus = Literal["processing", "succeeded", "declined", "failed"]
+
+Reference = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,64}$")]
+CardToken = Annotated[str, StringConstraints(pattern=r"^tok_[A-Za-z0-9_]{1,64}$")]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=140, pattern=r"^[^\x00-\x1f\x7f]+$")]
+
+_IBAN = re.compile(r"^[A-Z]{2}[0-9]{2}[A-Z0-9]{11,30}$")
+
+
+def fee_for(amount_minor: int) -> int:
+    return -(-amount_minor * FEE_BASIS_POINTS // 10_000) + FEE_FIXED_MINOR
+
+
+def iban_is_valid(iban: str) -> bool:
+    """ISO 13616: the shape, then the mod-97 check digits."""
+    if not _IBAN.fullmatch(iban):
+        return False
+    rearranged = iban[4:] + iban[:4]
+    return int("".join(str(int(ch, 36)) for ch in rearranged)) % 97 == 1
+
+
+class Beneficiary(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name = Field(description="Account holder's name, as the rail will show it.")
+    iban: str = Field(description="IBAN without spaces.", examples=["DE89370400440532013000"])
+
+    @field_validator("iban")
+    @classmethod
+    def _iban(cls, value: str) -> str:
+        if not iban_is_valid(value):
+            raise ValueError("not a valid IBAN (uppercase, no spaces, correct check digits)")
+        return value
+
+
+class PaymentRequest(BaseModel):
+    """Charge `card_token` for `amount` and pay it out, less our fee, to `beneficiary`."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "amount": 1250,
+                    "currency": "EUR",
+                    "reference": "order-1001",
+                    "card_token": "tok_visa",
+                    "beneficiary": {"name": "Ada Lovelace", "iban": "DE89370400440532013000"},
+                }
+            ]
+        },
+    )
+
+    amount: int = Field(strict=True, gt=0, le=MAX_AMOUNT_MINOR, description="Minor units (cents).")
+    currency: str = Field(description="ISO 4217 code.", examples=["EUR"])
+    reference: Reference = Field(
+        description="Your identifier for what is being paid (an order, an invoice). "
+        "Unique per client: a second payment with the same reference is refused."
+    )
+    card_token: CardToken = Field(description="The payer's card, tokenised at the PSP.")
+    beneficiary: Beneficiary
+
+    @field_validator("currency")
+    @classmethod
+    def _currency(cls, value: str) -> str:
+        if value not in CURRENCIES:
+            raise ValueError(f"currency must be one of {', '.join(sorted(CURRENCIES))}")
+        return value
+
+    @model_validator(mode="after")
+    def _covers_fee(self) -> PaymentRequest:
+        if self.amount <= fee_for(self.amount):
+            raise ValueError(f"amount {self.amount} does not cover the fee of {fee_for(self.amount)}")
+        return self
+
+
+@dataclass(frozen=True)
+class Payment:
+    """A row of the `payment` table."""
+
+    id: uuid.UUID
+    client_id: int
+    reference: str
+    amount_minor: int
+    currency: str
+    fee_minor: int
+    net_minor: int
+    card_token: str
+    beneficiary_name: str
+    beneficiary_iban: str
+    status: str
+    end_to_end_reference: str | None
+    psp_charge_key: str | None
+    psp_charge_id: str | None
+    decline_code: str | None
+    rail_transfer_key: str | None
+    rail_transfer_id: str | None
+    reject_reason: str | None
+    psp_refund_key: str | None
+    psp_refund_id: str | None
+    created_at: datetime
+    updated_at: datetime
+
+
+class Failure(BaseModel):
+    stage: Literal["charge", "payout"]
+    code: str
+    message: str
+
+
+class BeneficiaryView(BaseModel):
+    name: str
+    iban: str
+
+
+class PaymentView(BaseModel):
+    """The payment as a client sees it, in a POST response and from GET."""
+
+    id: uuid.UUID
+    object: Literal["payment"] = "payment"
+    status: PaymentStatus = Field(
+        description="`processing` while the outcome is not yet known (never a failure); "
+        "`succeeded`, `declined` or `failed` once final."
+    )
+    reference: str
+    amount: int
+    currency: str
+    fee: int
+    net_amount: int
+    beneficiary: BeneficiaryView
+    end_to_end_reference: str | None
+    failure: Failure | None
+    created_at: datetime
+
+    @classmethod
+    def of(cls, payment: Payment) -> PaymentView:
+        return cls(
+            id=payment.id,
+            status=payment.status,  # type: ignore[arg-type]
+            reference=payment.reference,
+            amount=payment.amount_minor,
+            currency=payment.currency,
+            fee=payment.fee_minor,
+            net_amount=payment.net_minor,
+            beneficiary=BeneficiaryView(name=payment.beneficiary_name, iban=payment.beneficiary_iban),
+            end_to_end_reference=payment.end_to_end_reference,
+            failure=_failure(payment),
+            created_at=payment.created_at,
+        )
+
+    def body(self) -> str:
+        """The exact text we send and store; a replay sends these bytes again."""
+        return self.model_dump_json()
+
+
+def _failure(payment: Payment) -> Failure | None:
+    if payment.status == "declined":
+        return Failure(
+            stage="charge",
+            code=payment.decline_code or "declined",
+            message="The card was declined by the PSP; nothing was charged.",
+        )
+    if payment.status == "failed":
+        return Failure(
+            stage="payout",
+            code=payment.reject_reason or "rejected",
+            message="The rail rejected the payout; the charge was refunded in full.",
+        )
+    return None

@@ -1,0 +1,223 @@
+"""The atomic phases of a payment: one function per transaction.
+
+Each phase receives a connection already inside a transaction
+(`app.db.transaction.atomic`) and returns the operation as it stands after the
+commit. Its first statement is the fenced write to the key row, which both
+proves this attempt still owns the operation and locks the row; if the lease
+was taken over, `LeaseLost` is raised and everything the phase wrote is rolled
+back. No phase calls the network: the runner calls the PSP and the rail
+between phases.
+
+    handler1          claim the key, create the payment      -> EXT1_SENT
+    (External1: charge the card at the PSP with K1)
+    record_charge     store the charge, post the ledger,
+                      build the payout instruction           -> EXT2_SENT | finished (declined)
+    (External2: send the transfer to the rail with K2)
+    record_transfer   store the transfer, post the ledger     -> finished | EXT3_SENT (rejected)
+    (External3: refund the charge at the PSP with K3)
+    record_refund     store the refund, reverse the ledger    -> finished (failed)
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.idempotency import store as keys
+from app.idempotency.keys import derived_key, end_to_end_reference
+from app.idempotency.store import Lease
+from app.ledger import postings
+from app.payments import store as payments
+from app.payments.models import Payment, PaymentRequest, PaymentView, fee_for
+from app.payments.recovery_points import (
+    EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED, STEP_CHARGE, STEP_REFUND, STEP_TRANSFER,
+)
+from app.problems import DUPLICATE_PAYMENT, ProblemError
+
+ENDPOINT = "POST /v1/payments"
+# Every final outcome, good or bad, is a payment resource that now exists, so
+# it is answered 201 Created; its `status` says how it ended.
+FINAL_STATUS_CODE = 201
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One payment request as its owner sees it between phases."""
+
+    lease: Lease
+    recovery_point: str
+    payment: Payment
+    # True when an earlier attempt may already have made this point's external
+    # call (we took the operation over, or an earlier call's outcome was
+    # unknown): the runner then probes before it sends.
+    resumed: bool
+    response: tuple[int, str] | None = None
+
+
+async def handler1(
+    conn: AsyncConnection,
+    *,
+    client_id: int,
+    key: str,
+    request_hash: bytes,
+    request: PaymentRequest,
+    lease_seconds: float,
+) -> Operation | None:
+    """Claim the key and create the payment; None if the key already exists.
+
+    Durable after commit: the key row (started, EXT1_SENT, our lease) and the
+    payment row (processing, with its fee and the charge's derived key K1).
+    Crash before commit: nothing of this request exists; a retry starts afresh.
+    Crash after commit: the row says EXT1_SENT, so a resumer probes the PSP by
+    K1 and charges (with K1) only if the PSP has never seen it.
+    Running it again is safe: the INSERT of the key conflicts and returns no
+    row, and the caller reads the stored row instead.
+    """
+    payment_id = uuid.uuid4()
+    lease = await keys.claim(
+        conn,
+        client_id=client_id,
+        key=key,
+        endpoint=ENDPOINT,
+        request_hash=request_hash,
+        recovery_point=EXT1_SENT,
+        payment_id=payment_id,
+        lease_seconds=lease_seconds,
+    )
+    if lease is None:
+        return None
+    payment = await payments.insert(
+        conn,
+        payment_id=payment_id,
+        client_id=client_id,
+        request=request,
+        fee=fee_for(request.amount),
+        psp_charge_key=derived_key(client_id, key, STEP_CHARGE),
+    )
+    if payment is None:
+        # Raising rolls back the key row too: a new key for an already-paid
+        # reference leaves no trace, and retrying it gives the same answer.
+        existing = await payments.id_by_reference(conn, client_id, request.reference)
+        raise ProblemError(
+            DUPLICATE_PAYMENT,
+            f"payment {existing} already has reference {request.reference!r}",
+            payment_id=str(existing),
+        )
+    return Operation(lease, EXT1_SENT, payment, resumed=False)
+
+
+async def take_over(conn: AsyncConnection, client_id: int, key: str, lease_seconds: float) -> Operation | None:
+    """Become the owner of a started operation whose lease has run out.
+
+    Durable after commit: a new lease token and attempt count; the recovery
+    point is unchanged, so no completed phase is re-run. The previous owner,
+    if it is merely slow rather than dead, is fenced off from then on.
+    None means someone else holds a live lease (or just took it over).
+    """
+    lease = await keys.take_over(conn, client_id, key, lease_seconds, event="taken over")
+    if lease is None:
+        return None
+    row = await keys.load(conn, client_id, key)
+    assert row is not None and row.payment_id is not None
+    payment = await payments.get(conn, client_id, row.payment_id)
+    assert payment is not None
+    return Operation(lease, row.recovery_point, payment, resumed=True)
+
+
+async def record_charge(conn: AsyncConnection, op: Operation, charge: dict[str, Any], lease_seconds: float) -> Operation:
+    """External1's outcome, then Handler2, then the intent to call External2.
+
+    Durable after commit, if the charge succeeded: the charge id, the ledger's
+    `charge_captured` posting, the payout instruction (end-to-end reference
+    and derived key K2) and recovery point EXT2_SENT. If it was declined: the
+    decline and the stored final response (finished).
+    Crash before commit: the row still says EXT1_SENT; the resumer's probe by
+    K1 finds this same charge at the PSP and records it then.
+    Crash after commit: the resumer starts at EXT2_SENT and never charges again.
+    """
+    client_id, key = op.lease.client_id, op.lease.key
+    if charge["status"] != "succeeded":
+        declined = replace(op.payment, status="declined", psp_charge_id=charge["id"], decline_code=charge.get("decline_code"))
+        return await _finish(conn, op, declined, "declined", event="charge declined",
+                             charge_id=charge["id"], decline_code=charge.get("decline_code"))
+
+    await keys.advance(conn, op.lease, EXT2_SENT, lease_seconds, event="charge succeeded")
+    payment = await payments.update(
+        conn,
+        "charged",
+        op.payment.id,
+        charge_id=charge["id"],
+        e2e=end_to_end_reference(client_id, key),
+        transfer_key=derived_key(client_id, key, STEP_TRANSFER),
+    )
+    await postings.post(conn, payment, "charge_captured", postings.charge_captured(payment))
+    return replace(op, recovery_point=EXT2_SENT, payment=payment, resumed=False)
+
+
+async def record_transfer(conn: AsyncConnection, op: Operation, transfer: dict[str, Any], lease_seconds: float) -> Operation:
+    """External2's outcome, then Handler3 (or the intent to compensate).
+
+    Durable after commit, if the rail accepted: the transfer id, the ledger's
+    `payout_sent` posting, status succeeded and the stored response
+    (finished). If the rail rejected: the reason, the refund's derived key K3
+    and recovery point EXT3_SENT.
+    Crash before commit: the row still says EXT2_SENT; the resumer probes the
+    rail by end-to-end reference, finds this transfer and records it then.
+    Crash after commit: nothing is left to do but replay (or refund).
+    """
+    if transfer["status"] == "accepted":
+        paid = replace(op.payment, status="succeeded", rail_transfer_id=transfer["id"])
+        op = await _finish(conn, op, paid, "paid_out", event="transfer accepted", transfer_id=transfer["id"])
+        await postings.post(conn, op.payment, "payout_sent", postings.payout_sent(op.payment))
+        return op
+
+    await keys.advance(conn, op.lease, EXT3_SENT, lease_seconds, event="transfer rejected")
+    payment = await payments.update(
+        conn,
+        "payout_rejected",
+        op.payment.id,
+        transfer_id=transfer["id"],
+        reject_reason=transfer.get("reject_reason"),
+        refund_key=derived_key(op.lease.client_id, op.lease.key, STEP_REFUND),
+    )
+    return replace(op, recovery_point=EXT3_SENT, payment=payment, resumed=False)
+
+
+async def record_refund(conn: AsyncConnection, op: Operation, refund: dict[str, Any], lease_seconds: float) -> Operation:
+    """The compensating refund's outcome: the payment ends failed, money returned.
+
+    Durable after commit: the refund id, the ledger's `charge_refunded`
+    posting (which balances `charge_captured` to zero), status failed and the
+    stored response (finished).
+    Crash before commit: the row still says EXT3_SENT; the resumer probes the
+    PSP by K3, finds this refund and records it then: one refund, never two.
+    """
+    failed = replace(op.payment, status="failed", psp_refund_id=refund["id"])
+    op = await _finish(conn, op, failed, "refunded", event="charge refunded", refund_id=refund["id"])
+    await postings.post(conn, op.payment, "charge_refunded", postings.charge_refunded(op.payment))
+    return op
+
+
+async def release(conn: AsyncConnection, op: Operation, reason: str) -> None:
+    """Give the operation up at its current SENT point: the outcome is unknown.
+
+    Durable after commit: the same recovery point, no owner, and the reason.
+    The next actor (a client retry or the recovery worker) takes over at once,
+    probes with the same derived key, and carries on. Nothing is reported as
+    failed, because nothing is known to have failed.
+    """
+    await keys.release(conn, op.lease, reason, event="outcome unknown, released")
+
+
+async def _finish(conn: AsyncConnection, op: Operation, final: Payment, change: str, *, event: str, **values: Any) -> Operation:
+    # The response is built from the payment as it will be after this commit,
+    # and the fenced write to the key row goes first: key row, then payment
+    # row, the same lock order as every other phase, so two attempts can
+    # never deadlock each other.
+    body = PaymentView.of(final).body()
+    await keys.finish(conn, op.lease, FINAL_STATUS_CODE, body, event=event)
+    payment = await payments.update(conn, change, op.payment.id, **values)
+    return replace(op, recovery_point=FINISHED, payment=payment, response=(FINAL_STATUS_CODE, body))

@@ -1,0 +1,101 @@
+"""Submitting a payment: the key protocol's decision, then the runner.
+
+This is the response matrix of seed 001, in the order it is decided:
+
+    new key                            -> handler1, then drive    -> 201 (or 202)
+    key exists, different fingerprint  -> 422 idempotency-key-reused
+    key exists, finished               -> the stored response, byte for byte
+    key exists, started, lease live    -> 409 request-in-progress + Retry-After
+    key exists, started, lease expired -> take over, then drive   -> 201 (or 202)
+    new key, reference already paid    -> 409 duplicate-payment (nothing stored)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from app.db.transaction import atomic, read
+from app.idempotency import store as keys
+from app.idempotency.keys import request_fingerprint
+from app.idempotency.store import LeaseLost
+from app.payments import phases
+from app.payments.models import PaymentRequest
+from app.payments.phases import Operation
+from app.payments.runner import Finished, Pending, Services, drive
+from app.problems import IDEMPOTENCY_KEY_REUSED, REQUEST_IN_PROGRESS, ProblemError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What the API sends: a final response (fresh or replayed) or a pending one."""
+
+    outcome: Finished | Pending
+    replayed: bool = False
+
+
+async def submit_payment(services: Services, client_id: int, key: str, request: PaymentRequest) -> Reply:
+    settings = services.settings
+    fingerprint = request_fingerprint("POST", "/v1/payments", request.model_dump(mode="json"))
+    op = await atomic(
+        services.engine,
+        phases.handler1,
+        client_id=client_id,
+        key=key,
+        request_hash=fingerprint,
+        request=request,
+        lease_seconds=settings.lease_seconds,
+    )
+    if op is not None:
+        return Reply(await _drive(services, op))
+
+    # The key exists. Only the stored row decides what happens next.
+    row = await read(services.engine, keys.load, client_id, key)
+    if row is None:
+        # It existed a moment ago and is gone (reaped): behave as in flight
+        # rather than guess; the retry will find a clean slate.
+        raise _in_progress(settings.retry_after_seconds)
+    if row.endpoint != phases.ENDPOINT or row.request_hash != fingerprint:
+        raise ProblemError(
+            IDEMPOTENCY_KEY_REUSED,
+            f"Idempotency-Key {key!r} was first used for a different request",
+        )
+    if row.state == "finished":
+        assert row.response_code is not None and row.response_body is not None
+        return Reply(Finished(row.response_code, row.response_body), replayed=True)
+    if row.lease_live:
+        raise _in_progress(settings.retry_after_seconds)
+
+    op = await atomic(services.engine, phases.take_over, client_id, key, settings.lease_seconds)
+    if op is None:
+        raise _in_progress(settings.retry_after_seconds)
+    log.info("client %s key %r: took over at %s", client_id, key, op.recovery_point)
+    return Reply(await _drive(services, op))
+
+
+async def _drive(services: Services, op: Operation) -> Finished | Pending:
+    try:
+        return await drive(services, op)
+    except LeaseLost:
+        # We stalled past our lease and another attempt owns the operation
+        # now; our last phase was rolled back. It will answer the client.
+        raise _in_progress(services.settings.retry_after_seconds) from None
+    except Exception as exc:
+        # A bug or a lost database: give the lease back so that a retry can
+        # resume at once instead of waiting for it to run out. If even that
+        # fails, the lease simply expires.
+        try:
+            await atomic(services.engine, phases.release, op, f"error: {exc!r}"[:500])
+        except Exception:
+            log.exception("could not release %r after an error", op.lease.key)
+        raise
+
+
+def _in_progress(retry_after: int) -> ProblemError:
+    return ProblemError(
+        REQUEST_IN_PROGRESS,
+        "another attempt with this Idempotency-Key is in progress; retry later with the same key",
+        headers={"Retry-After": str(retry_after)},
+    )

@@ -1,0 +1,105 @@
+"""The catalogue of problem types (RFC 9457) that the API can answer with.
+
+Each has a stable slug; its `type` URI is `/problems/<slug>` on this service,
+which serves the description below, so a client (or a person) can look up any
+`type` it receives. Domain code raises `ProblemError`; `app.api.errors` turns it
+into an `application/problem+json` response.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ProblemType:
+    slug: str
+    status: int
+    title: str
+    description: str
+
+    @property
+    def uri(self) -> str:
+        return f"/problems/{self.slug}"
+
+
+def _t(slug: str, status: int, title: str, description: str) -> ProblemType:
+    return ProblemType(slug, status, title, description)
+
+
+IDEMPOTENCY_KEY_MISSING = _t(
+    "idempotency-key-missing", 400, "Idempotency-Key header is required",
+    "POST /v1/payments moves money, so it must carry an Idempotency-Key header: a value you "
+    "generate once per payment (a UUID is ideal) and send again, unchanged, on every retry.",
+)
+IDEMPOTENCY_KEY_INVALID = _t(
+    "idempotency-key-invalid", 400, "Idempotency-Key header is malformed",
+    "A key is 1 to 255 characters from A-Z a-z 0-9 and _ . : ~ + / = -, sent bare or as a "
+    "quoted structured-field string. Nothing was stored.",
+)
+INVALID_REQUEST = _t(
+    "invalid-request", 400, "The request body is invalid",
+    "The body is not valid JSON or does not match the schema; `errors` lists each problem "
+    "with its location. Nothing was stored and the key was not used.",
+)
+UNAUTHENTICATED = _t(
+    "unauthenticated", 401, "Missing or unknown API key",
+    "Send `Authorization: Bearer <api key>`. Create a key with `payments clients create NAME`.",
+)
+NOT_FOUND = _t(
+    "not-found", 404, "No such resource",
+    "Nothing with this identifier exists for your client. Another client's payments and keys "
+    "are reported the same way, so identifiers cannot be probed.",
+)
+REQUEST_IN_PROGRESS = _t(
+    "request-in-progress", 409, "A request with this key is still in progress",
+    "Another attempt with the same Idempotency-Key owns this payment right now. Nothing was "
+    "done by this request. Retry after the number of seconds in Retry-After with the same key "
+    "and body: you will get the final response.",
+)
+DUPLICATE_PAYMENT = _t(
+    "duplicate-payment", 409, "A payment with this reference already exists",
+    "Your client already has a payment with this `reference` (under another Idempotency-Key). "
+    "No new payment was made; `payment_id` names the existing one. A reference can be paid once.",
+)
+IDEMPOTENCY_KEY_REUSED = _t(
+    "idempotency-key-reused", 422, "Idempotency-Key was already used for a different request",
+    "This key was first used with a different method, path or body. A key identifies one "
+    "payment; generate a new key for a new payment. Nothing was done.",
+)
+METHOD_NOT_ALLOWED = _t(
+    "method-not-allowed", 405, "Method not allowed", "This path does not accept this HTTP method."
+)
+INTERNAL_ERROR = _t(
+    "internal-error", 500, "Internal error",
+    "Something failed on our side. If the request carried an Idempotency-Key, retrying it with "
+    "the same key is safe: it will either resume or replay, never pay twice.",
+)
+
+CATALOGUE: dict[str, ProblemType] = {
+    t.slug: t
+    for t in (
+        IDEMPOTENCY_KEY_MISSING, IDEMPOTENCY_KEY_INVALID, INVALID_REQUEST, UNAUTHENTICATED,
+        NOT_FOUND, METHOD_NOT_ALLOWED, REQUEST_IN_PROGRESS, DUPLICATE_PAYMENT,
+        IDEMPOTENCY_KEY_REUSED, INTERNAL_ERROR,
+    )
+}
+
+
+class ProblemError(Exception):
+    """Raised anywhere to answer with a problem; extensions become members of the body."""
+
+    def __init__(
+        self,
+        problem: ProblemType,
+        detail: str,
+        *,
+        headers: dict[str, str] | None = None,
+        **extensions: Any,
+    ) -> None:
+        super().__init__(detail)
+        self.problem = problem
+        self.detail = detail
+        self.headers = headers or {}
+        self.extensions = extensions
