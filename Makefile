@@ -1,0 +1,40 @@
+# Two commands on a fresh machine with Python 3.11+ and make:
+#   make run    start the whole system (embedded PostgreSQL unless DATABASE_URL is set)
+#   make test   run the test suite against real PostgreSQL and real processes
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install run test bench lock clean
+
+install: $(STAMP)
+
+# Re-installs whenever the dependencies change; the lock pins every package.
+$(STAMP): pyproject.toml requirements.lock
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+	  || { echo "Python 3.11 or newer is needed (PYTHON=$(PYTHON))"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.lock
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/payments run
+
+test: $(STAMP)
+	$(BIN)/pytest
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
+
+# Re-pin every dependency after editing pyproject.toml.
+lock: $(STAMP)
+	$(BIN)/python -m pip install --quiet uv==0.13.8
+	$(BIN)/uv pip compile pyproject.toml --extra dev --python-version 3.11 -o requirements.lock
+
+clean:
+	rm -rf $(VENV) *.egg-info
+	@echo "kept .data/ (the embedded database); remove it yourself to start from nothing"

@@ -1,0 +1,452 @@
+"""What the fake PSP and the fake rail share: storage, idempotency, faults, errors.
+
+Both fakes behave like the real systems they stand in for in the ways that
+matter to a caller trying to move money exactly once:
+
+* every POST carries an `Idempotency-Key`; the first request with a key is
+  recorded together with the answer it got, and every later request with that
+  key gets the same answer back (`Idempotent-Replayed: true`), or a 422 if its
+  body differs;
+* records live in PostgreSQL, so a restarted fake still knows every key;
+* a fault plan, set over HTTP, makes the next matching calls fail the way real
+  networks and providers fail (see docs/fake-rails.md).
+
+Errors are RFC 9457 `application/problem+json` documents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+from typing import Any, Literal
+
+import asyncpg
+import typer
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.exceptions import HTTPException
+
+PROBLEM_BASE = "https://fake-rails.example/problems/"
+
+
+# --- Errors -------------------------------------------------------------------
+
+
+class Problem(Exception):
+    """An error answer; raise it anywhere in a handler."""
+
+    def __init__(
+        self,
+        status: int,
+        slug: str,
+        title: str,
+        detail: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.status, self.slug, self.title, self.detail = status, slug, title, detail
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {
+            "type": PROBLEM_BASE + self.slug,
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+        }
+        return JSONResponse(
+            body,
+            status_code=self.status,
+            headers=self.headers,
+            media_type="application/problem+json",
+        )
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    """Make every error, including FastAPI's own, a problem+json document."""
+
+    async def on_problem(_: Request, exc: Problem) -> JSONResponse:
+        return exc.response()
+
+    # Real providers answer 400 to a malformed request; FastAPI's default is 422,
+    # which we keep for its idempotency meaning (same key, different body).
+    async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        return Problem(400, "invalid-request", "Invalid request", detail).response()
+
+    async def on_http(_: Request, exc: HTTPException) -> JSONResponse:
+        slug = "not-found" if exc.status_code == 404 else "http-error"
+        return Problem(exc.status_code, slug, str(exc.detail), str(exc.detail)).response()
+
+    app.add_exception_handler(Problem, on_problem)
+    app.add_exception_handler(RequestValidationError, on_invalid)
+    app.add_exception_handler(HTTPException, on_http)
+
+
+def not_found(what: str) -> Problem:
+    return Problem(404, "not-found", "Not found", f"no {what}")
+
+
+# --- Storage ------------------------------------------------------------------
+
+
+def asyncpg_dsn(url: str) -> str:
+    """asyncpg wants the driver-free spelling of a SQLAlchemy-style URL."""
+    return url.replace("postgresql+asyncpg://", "postgresql://", 1)
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    # Hand stored responses to Python as dicts, not strings.
+    await conn.set_type_codec("json", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+def pool_lifespan(database_url: str, schema: str, ddl: str):
+    """An app lifespan that opens a pool and creates `schema` if it is missing.
+
+    The DDL runs under a transaction-scoped advisory lock: two fakes starting
+    at once against a fresh database would otherwise both try to create the
+    schema and one would fail on a duplicate key in the catalog.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        pool = await asyncpg.create_pool(
+            asyncpg_dsn(database_url),
+            min_size=1,
+            max_size=10,
+            init=_init_connection,
+            server_settings={"timezone": "UTC"},
+        )
+        try:
+            async with pool.acquire() as conn, conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", schema)
+                await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}; {ddl}")
+            app.state.pool = pool
+            yield
+        finally:
+            await pool.close()
+
+    return lifespan
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def iso(ts: datetime) -> str:
+    return ts.isoformat().replace("+00:00", "Z")
+
+
+# Every record table starts with these columns; services add their own.
+RECORD_COLUMNS = """
+    id text PRIMARY KEY,
+    idempotency_key text NOT NULL UNIQUE,
+    request_hash text NOT NULL,
+    status_code integer NOT NULL,
+    response json NOT NULL,  -- json, not jsonb: a replay keeps the key order
+    created_at timestamptz NOT NULL
+"""
+
+
+# --- Idempotency --------------------------------------------------------------
+
+
+def request_hash(body: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of a request body: key order and spacing
+    must not make two equal requests look different."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass
+class Outcome:
+    status_code: int
+    body: dict[str, Any]
+    replayed: bool
+
+
+@dataclass
+class Attempt:
+    """One POST with its idempotency key, inside a transaction on `conn`.
+
+    A handler calls `replay()` first, which returns the stored answer if the
+    key was seen before (skipping business checks that may no longer pass,
+    e.g. a refund's remaining balance), and otherwise `record()` the new
+    resource. `record()` is what really guarantees one record per key: its
+    INSERT ... ON CONFLICT DO NOTHING makes a request that raced past
+    `replay()` wait for the first one to commit, insert nothing, and replay
+    the first one's answer.
+    """
+
+    conn: asyncpg.Connection
+    table: str
+    key: str
+    request_hash: str
+    fault: Fault | None
+
+    async def replay(self) -> Outcome | None:
+        row = await self.conn.fetchrow(
+            f"SELECT request_hash, status_code, response FROM {self.table} "
+            "WHERE idempotency_key = $1",
+            self.key,
+        )
+        if row is None:
+            return None
+        if row["request_hash"] != self.request_hash:
+            raise Problem(
+                422,
+                "idempotency-key-reused",
+                "Idempotency key reused",
+                f"key {self.key!r} was first used with a different request body",
+            )
+        return Outcome(row["status_code"], row["response"], replayed=True)
+
+    async def record(self, resource: dict[str, Any], **columns: Any) -> Outcome:
+        """Store `resource` (its fields are columns too) and answer it with 201."""
+        response = {k: _jsonable(v) for k, v in resource.items()}
+        values = {k: v for k, v in resource.items() if k != "object"} | columns
+        values |= {
+            "idempotency_key": self.key,
+            "request_hash": self.request_hash,
+            "status_code": 201,
+            "response": response,
+        }
+        params = ", ".join(f"${i}" for i in range(1, len(values) + 1))
+        row = await self.conn.fetchrow(
+            f"INSERT INTO {self.table} ({', '.join(values)}) VALUES ({params}) "
+            "ON CONFLICT (idempotency_key) DO NOTHING RETURNING status_code, response",
+            *values.values(),
+        )
+        if row is None:  # another request with this key committed first
+            return await self.replay()
+        return Outcome(row["status_code"], row["response"], replayed=False)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return iso(value)
+    if isinstance(value, date):
+        return value.isoformat()
+    return value
+
+
+# --- Fault plan ---------------------------------------------------------------
+
+Action = Literal[
+    "delay", "error_before", "error_after", "hang_after", "decline", "reject", "rate_limit"
+]
+Operation = Literal["charge", "refund", "transfer"]
+
+# A business outcome only exists for one operation.
+ONLY_FOR: dict[str, str] = {"decline": "charge", "reject": "transfer"}
+DEFAULT_SECONDS = {"delay": 2.0, "hang_after": 3600.0}
+DEFAULT_STATUS = {"error_before": 503, "error_after": 500}
+
+
+class Fault(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    action: Action
+    operation: Operation | None = None
+    reference: str | None = None
+    # Counts down as the fault is used; 0 means spent. null means forever.
+    times: int | None = Field(default=1, ge=1)
+    seconds: float | None = Field(default=None, ge=0)
+    status: int | None = Field(default=None, ge=400, le=599)
+
+    @model_validator(mode="after")
+    def _defaults(self) -> Fault:
+        only = ONLY_FOR.get(self.action)
+        if only and self.operation not in (None, only):
+            raise ValueError(f"{self.action} applies to {only} only")
+        if self.seconds is None:
+            self.seconds = DEFAULT_SECONDS.get(self.action)
+        if self.status is None:
+            self.status = DEFAULT_STATUS.get(self.action)
+        return self
+
+    def matches(self, operation: str, reference: str) -> bool:
+        return (
+            self.times != 0
+            and self.operation in (None, operation)
+            and ONLY_FOR.get(self.action, operation) == operation
+            and self.reference in (None, reference)
+        )
+
+
+class FaultPlanBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    faults: list[Fault]
+
+
+class FaultPlan:
+    """The faults to inject, held in this process's memory only: a restart or
+    a second instance starts with an empty plan."""
+
+    def __init__(self, operations: Iterable[str]) -> None:
+        self.operations = set(operations)
+        self.faults: list[Fault] = []
+        # Concurrent requests must not both use the last `times` of a fault.
+        self._lock = asyncio.Lock()
+
+    def replace(self, faults: list[Fault]) -> None:
+        for f in faults:
+            wanted = f.operation or ONLY_FOR.get(f.action)
+            if wanted and wanted not in self.operations:
+                raise Problem(
+                    400,
+                    "invalid-fault",
+                    "Invalid fault",
+                    f"{f.action} on {wanted}: this service only does {sorted(self.operations)}",
+                )
+        self.faults = faults
+
+    async def take(self, operation: str, reference: str) -> Fault | None:
+        """Consume one use of the first matching fault and return it."""
+        async with self._lock:
+            for f in self.faults:
+                if f.matches(operation, reference):
+                    if f.times is not None:
+                        f.times -= 1
+                    return f
+        return None
+
+    def router(self) -> APIRouter:
+        router = APIRouter(prefix="/_admin/faults", tags=["admin"])
+
+        def show() -> dict[str, Any]:
+            return {"faults": [f.model_dump() for f in self.faults]}
+
+        @router.get("")
+        async def get_faults() -> dict[str, Any]:
+            return show()
+
+        @router.put("")
+        async def put_faults(body: FaultPlanBody) -> dict[str, Any]:
+            self.replace(body.faults)
+            return show()
+
+        @router.delete("")
+        async def delete_faults() -> dict[str, Any]:
+            self.faults = []
+            return show()
+
+        return router
+
+
+async def idempotent_post(
+    request: Request,
+    operation: str,
+    table: str,
+    body: BaseModel,
+    handle: Callable[[Attempt], Awaitable[Outcome]],
+) -> JSONResponse:
+    """The shape of every POST: key check, fault, `handle`, fault, answer.
+
+    `handle` runs in one transaction and applies the business faults
+    (decline, reject) itself; the transport faults are applied here.
+    """
+    key = request.headers.get("Idempotency-Key")
+    if not key:
+        raise Problem(
+            400, "idempotency-key-missing", "Idempotency-Key required",
+            "every POST needs an Idempotency-Key header",
+        )
+
+    plan: FaultPlan = request.app.state.faults
+    fault = await plan.take(operation, getattr(body, "reference", None))
+    action = fault.action if fault else None
+    if action == "delay":
+        await asyncio.sleep(fault.seconds)
+    elif action == "error_before":
+        raise Problem(fault.status, "injected-error", "Injected error", "fault plan: error_before")
+    elif action == "rate_limit":
+        raise Problem(
+            429, "rate-limited", "Too many requests", "fault plan: rate_limit",
+            headers={"Retry-After": "1"},
+        )
+
+    # Hashing the validated body makes an omitted optional field equal to null.
+    req_hash = request_hash(body.model_dump(mode="json"))
+    async with request.app.state.pool.acquire() as conn, conn.transaction():
+        attempt = Attempt(conn, table, key, req_hash, fault)
+        outcome = await handle(attempt)
+
+    # Committed by now: what follows loses or delays the answer, not the record.
+    if not outcome.replayed and action == "error_after":
+        raise Problem(fault.status, "injected-error", "Injected error", "fault plan: error_after")
+    if not outcome.replayed and action == "hang_after":
+        await asyncio.sleep(fault.seconds)
+    headers = {"Idempotent-Replayed": "true"} if outcome.replayed else None
+    return JSONResponse(outcome.body, status_code=outcome.status_code, headers=headers)
+
+
+# --- App and CLI --------------------------------------------------------------
+
+
+def base_app(
+    title: str, database_url: str, schema: str, ddl: str, operations: Iterable[str]
+) -> FastAPI:
+    """An app with what both fakes have: pool, schema, fault plan, errors, health."""
+    app = FastAPI(title=title, lifespan=pool_lifespan(database_url, schema, ddl))
+    app.state.faults = FaultPlan(operations)
+    install_problem_handlers(app)
+    app.include_router(app.state.faults.router())
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+async def list_items(pool: asyncpg.Pool, table: str, reference: str | None) -> dict[str, Any]:
+    rows = await pool.fetch(
+        f"SELECT response FROM {table} WHERE $1::text IS NULL OR reference = $1 "
+        "ORDER BY created_at, id",
+        reference,
+    )
+    return {"items": [r["response"] for r in rows]}
+
+
+def run_cli(create_app: Callable[[str], FastAPI], default_port: int) -> None:
+    """`main()` of a fake: serve `create_app(database_url)` with uvicorn."""
+
+    def serve(
+        port: int = typer.Option(default_port, help="Port to listen on."),
+        host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+        database_url: str | None = typer.Option(
+            None, help="PostgreSQL URL; default: env FAKE_RAILS_DATABASE_URL, else DATABASE_URL."
+        ),
+    ) -> None:
+        url = (
+            database_url
+            or os.environ.get("FAKE_RAILS_DATABASE_URL")
+            or os.environ.get("DATABASE_URL")
+        )
+        if not url:
+            typer.echo(
+                "error: no database; pass --database-url or set "
+                "FAKE_RAILS_DATABASE_URL or DATABASE_URL",
+                err=True,
+            )
+            raise typer.Exit(2)
+        uvicorn.run(create_app(url), host=host, port=port, log_level="warning", access_log=False)
+
+    typer.run(serve)

@@ -1,0 +1,214 @@
+"""The test harness: a real PostgreSQL, migrations, and real processes.
+
+Without DATABASE_URL the suite starts the embedded PostgreSQL (the same one
+`make run` uses) and stops it afterwards if it started it. With DATABASE_URL,
+it uses that server. Either way it works in its own database, `payments_test`,
+dropped and re-created by migrations at the start of every run, so a user's
+data is never touched.
+
+The fake PSP, the fake rail and two API processes run as separate processes
+for the whole session (`stack`); every test starts from empty tables and an
+empty fault plan (`clean`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+
+from app import clients, embedded_db
+from app.cli import migrate_database
+from app.config import libpq_url
+
+TEST_DATABASE = "payments_test"
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def server_url() -> Iterator[str]:
+    """A maintenance URL (database `postgres`) on the server the tests use."""
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        yield libpq_url(url).rsplit("/", 1)[0] + "/postgres"
+        return
+    server = embedded_db.default_server()
+    started = embedded_db.start(server)
+    yield server.url()
+    if started:
+        embedded_db.stop(server)
+
+
+@pytest.fixture(scope="session")
+def database_url(server_url: str) -> str:
+    """A fresh `payments_test` database whose schema comes only from migrations."""
+    embedded_db.create_database(server_url, TEST_DATABASE, recreate=True)
+    url = server_url.rsplit("/", 1)[0] + "/" + TEST_DATABASE
+    migrate_database(url)
+    return url
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Process:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    port: int
+    log: Path
+    popen: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Process:
+        self.popen = subprocess.Popen(
+            self.argv, env=self.env, stdout=self.log.open("ab"), stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)  # readiness polling, bounded by the deadline
+        raise RuntimeError(f"{self.name} did not become healthy: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.popen and self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+
+
+@dataclass
+class Stack:
+    psp: Process
+    rail: Process
+    apis: list[Process]
+
+    @property
+    def api(self) -> str:
+        return self.apis[0].url
+
+
+def api_env(database_url: str, psp: Process, rail: Process, **overrides: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "PSP_URL": psp.url,
+        "RAIL_URL": rail.url,
+        # Short enough that a hang-after-applying fault resolves in a test,
+        # long enough for a loaded 2-core machine.
+        "PSP_TIMEOUT_SECONDS": "2",
+        "RAIL_TIMEOUT_SECONDS": "2",
+        **overrides,
+    }
+
+
+@pytest.fixture(scope="session")
+def stack(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("logs")
+    env = {**os.environ, "FAKE_RAILS_DATABASE_URL": database_url}
+    psp = Process("fake-psp", [], env, free_port(), logs / "psp.log")
+    psp.argv = [str(BIN / "fake-psp"), "--port", str(psp.port)]
+    rail = Process("fake-rail", [], env, free_port(), logs / "rail.log")
+    rail.argv = [str(BIN / "fake-rail"), "--port", str(rail.port)]
+    apis = []
+    for name in ("api-a", "api-b"):
+        port = free_port()
+        apis.append(
+            Process(
+                name,
+                [str(BIN / "payments"), "api", "--port", str(port)],
+                api_env(database_url, psp, rail),
+                port,
+                logs / f"{name}.log",
+            )
+        )
+    started: list[Process] = []
+    try:
+        for process in (psp, rail, *apis):
+            started.append(process.start())
+        yield Stack(psp, rail, apis)
+    finally:
+        for process in started:
+            process.stop()
+
+
+@pytest.fixture(scope="session")
+async def db(database_url: str) -> asyncpg.Connection:
+    """A connection for assertions on durable state (and for test set-up)."""
+    conn = await asyncpg.connect(database_url)
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture(scope="session")
+async def http() -> httpx.AsyncClient:
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200)) as client:
+        yield client
+
+
+@pytest.fixture(autouse=True)
+async def clean(request: pytest.FixtureRequest) -> None:
+    """Empty tables and fault plans before every test that uses the stack."""
+    if "stack" not in request.fixturenames:
+        return
+    stack: Stack = request.getfixturevalue("stack")
+    db: asyncpg.Connection = request.getfixturevalue("db")
+    await db.execute(
+        "TRUNCATE ledger_entry, idempotency_key, payment, client, "
+        "fake_psp.charge, fake_psp.refund, fake_rail.transfer"
+    )
+    async with httpx.AsyncClient() as client:
+        for rail in (stack.psp, stack.rail):
+            (await client.delete(rail.url + "/_admin/faults")).raise_for_status()
+
+
+@dataclass(frozen=True)
+class Client:
+    id: int
+    api_key: str
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+
+async def make_client(db: asyncpg.Connection, name: str) -> Client:
+    api_key = clients.new_api_key()
+    client_id = await db.fetchval(
+        "INSERT INTO client (name, api_key_hash) VALUES ($1, $2) RETURNING id", name, clients.hash_api_key(api_key)
+    )
+    return Client(client_id, api_key)
+
+
+@pytest.fixture
+async def acme(db: asyncpg.Connection, stack: Stack) -> Client:
+    return await make_client(db, "acme")
+
+
+@pytest.fixture
+async def globex(db: asyncpg.Connection, stack: Stack) -> Client:
+    return await make_client(db, "globex")

@@ -1,0 +1,331 @@
+"""The response matrix of seed 001, row by row, against real processes.
+
+Each test drives the API over HTTP and then reads the evidence: the key row,
+the payment row, the ledger, and the fake PSP's and rail's own tables. An HTTP
+status alone proves nothing about money.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import httpx
+import pytest
+
+from app.idempotency.keys import derived_key, end_to_end_reference
+from tests.support import (
+    charges, headers, key_row, ledger, payment_body, payments_for, refunds, transfers, unbalanced_payments,
+)
+
+pytestmark = pytest.mark.usefixtures("stack")
+PROBLEM = "application/problem+json"
+
+
+async def post(http, stack, client, key, body, api: str | None = None) -> httpx.Response:
+    return await http.post(f"{api or stack.api}/v1/payments", json=body, headers=headers(client, key))
+
+
+async def set_faults(http, service, *faults) -> None:
+    (await http.put(service.url + "/_admin/faults", json={"faults": list(faults)})).raise_for_status()
+
+
+async def test_a_new_payment_charges_once_pays_out_once_and_balances_the_ledger(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), payment_body()
+    response = await post(http, stack, acme, key, body)
+
+    assert response.status_code == 201, response.text
+    paid = response.json()
+    assert paid["status"] == "succeeded" and paid["fee"] == 43 and paid["net_amount"] == 1207
+    assert "Idempotent-Replayed" not in response.headers
+
+    row = await key_row(db, acme.id, key)
+    assert row["state"] == "finished" and row["recovery_point"] == "finished"
+    assert row["response_code"] == 201 and row["response_body"] == response.text
+    assert row["lease_token"] is None
+
+    [charge] = await charges(db, body["reference"])
+    assert charge["idempotency_key"] == derived_key(acme.id, key, "ext1")
+    assert charge["amount"] == 1250 and charge["status"] == "succeeded"
+    [transfer] = await transfers(db, body["reference"])
+    assert transfer["idempotency_key"] == derived_key(acme.id, key, "ext2")
+    assert transfer["end_to_end_reference"] == end_to_end_reference(acme.id, key) == paid["end_to_end_reference"]
+    assert transfer["amount"] == 1207 and transfer["status"] == "accepted"
+
+    assert await ledger(db, uuid.UUID(paid["id"])) == [
+        ("charge_captured", "psp_receivable", 1250, 0),
+        ("charge_captured", "beneficiary_payable", 0, 1207),
+        ("charge_captured", "fee_revenue", 0, 43),
+        ("payout_sent", "beneficiary_payable", 1207, 0),
+        ("payout_sent", "rail_settlement", 0, 1207),
+    ]
+    assert await unbalanced_payments(db) == []
+
+
+async def test_a_retry_replays_the_stored_response_byte_for_byte(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), payment_body()
+    first = await post(http, stack, acme, key, body)
+    again = await post(http, stack, acme, key, body, api=stack.apis[1].url)
+
+    assert first.status_code == again.status_code == 201
+    assert again.content == first.content
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert len(await charges(db, body["reference"])) == 1
+    assert len(await transfers(db, body["reference"])) == 1
+    assert len(await payments_for(db, body["reference"])) == 1
+
+
+async def test_a_retry_while_the_first_attempt_is_in_flight_gets_409_with_retry_after(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), payment_body()
+    await set_faults(http, stack.psp, {"action": "delay", "reference": body["reference"], "seconds": 1.5})
+    first = asyncio.create_task(post(http, stack, acme, key, body))
+    # Synchronise on durable state: the first attempt has claimed the key.
+    while await key_row(db, acme.id, key) is None:
+        await asyncio.sleep(0.02)
+
+    second = await post(http, stack, acme, key, body)
+
+    assert second.status_code == 409
+    assert second.headers["content-type"] == PROBLEM
+    assert second.json()["type"] == "/problems/request-in-progress"
+    assert int(second.headers["Retry-After"]) >= 1
+    assert (await first).status_code == 201
+    assert len(await charges(db, body["reference"])) == 1
+    assert len(await transfers(db, body["reference"])) == 1
+
+
+async def test_the_same_key_with_a_different_body_is_rejected_with_422_and_changes_nothing(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), payment_body()
+    first = await post(http, stack, acme, key, body)
+    before = await key_row(db, acme.id, key)
+
+    reused = await post(http, stack, acme, key, body | {"amount": 9999})
+
+    assert reused.status_code == 422
+    assert reused.json()["type"] == "/problems/idempotency-key-reused"
+    assert await key_row(db, acme.id, key) == before
+    assert (await post(http, stack, acme, key, body)).content == first.content
+    assert len(await charges(db, body["reference"])) == 1
+
+
+async def test_a_different_body_is_rejected_even_while_the_first_attempt_is_in_flight(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), payment_body()
+    await set_faults(http, stack.psp, {"action": "delay", "reference": body["reference"], "seconds": 1.5})
+    first = asyncio.create_task(post(http, stack, acme, key, body))
+    while await key_row(db, acme.id, key) is None:
+        await asyncio.sleep(0.02)
+
+    reused = await post(http, stack, acme, key, body | {"currency": "GBP"})
+
+    assert reused.status_code == 422
+    assert (await first).status_code == 201
+    assert [c["currency"] for c in await charges(db, body["reference"])] == ["EUR"]
+
+
+async def test_a_missing_idempotency_key_is_400_and_stores_nothing(http, stack, db, acme):
+    response = await post(http, stack, acme, None, payment_body())
+
+    assert response.status_code == 400
+    assert response.headers["content-type"] == PROBLEM
+    assert response.json()["type"] == "/problems/idempotency-key-missing"
+    assert await db.fetchval("SELECT count(*) FROM idempotency_key") == 0
+    assert await db.fetchval("SELECT count(*) FROM payment") == 0
+
+
+@pytest.mark.parametrize(
+    "bad_key", ["", "a" * 256, "has space", "semi;colon", "ключ".encode(), '"unterminated', '""', "new\\nline"]
+)
+async def test_an_invalid_idempotency_key_is_400_and_stores_nothing(http, stack, db, acme, bad_key):
+    response = await post(http, stack, acme, bad_key, payment_body())
+
+    assert response.status_code == 400
+    assert response.json()["type"] in ("/problems/idempotency-key-invalid", "/problems/idempotency-key-missing")
+    assert await db.fetchval("SELECT count(*) FROM idempotency_key") == 0
+    assert await db.fetchval("SELECT count(*) FROM fake_psp.charge") == 0
+
+
+async def test_the_quoted_structured_field_form_is_the_same_key_as_the_bare_form(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), payment_body()
+    bare = await post(http, stack, acme, key, body)
+    quoted = await post(http, stack, acme, f'"{key}"', body)
+
+    assert quoted.headers["Idempotent-Replayed"] == "true"
+    assert quoted.content == bare.content
+    assert len(await charges(db, body["reference"])) == 1
+
+
+@pytest.mark.parametrize(
+    "authorization", [None, "Bearer", "Bearer sk_test_not-a-real-key", "Basic dXNlcjpwYXNz", "Bearer " + "x" * 500]
+)
+async def test_a_missing_or_wrong_api_key_is_401_and_stores_nothing(http, stack, db, acme, authorization):
+    request_headers = {"Idempotency-Key": str(uuid.uuid4())}
+    if authorization:
+        request_headers["Authorization"] = authorization
+    response = await http.post(f"{stack.api}/v1/payments", json=payment_body(), headers=request_headers)
+
+    assert response.status_code == 401
+    assert response.json()["type"] == "/problems/unauthenticated"
+    assert "WWW-Authenticate" in response.headers
+    assert await db.fetchval("SELECT count(*) FROM idempotency_key") == 0
+
+
+async def test_another_clients_payment_and_key_are_404_never_403(http, stack, db, acme, globex):
+    key = str(uuid.uuid4())
+    paid = (await post(http, stack, acme, key, payment_body())).json()
+
+    for path in (f"/v1/payments/{paid['id']}", f"/v1/idempotency-keys/{key}"):
+        assert (await http.get(stack.api + path, headers=acme.auth)).status_code == 200
+        theirs = await http.get(stack.api + path, headers=globex.auth)
+        assert theirs.status_code == 404
+        assert theirs.json()["type"] == "/problems/not-found"
+    assert (await http.get(f"{stack.api}/v1/payments/not-a-uuid", headers=acme.auth)).status_code == 404
+
+
+async def test_two_clients_may_use_the_same_key_for_their_own_payments(http, stack, db, acme, globex):
+    key = "order-42-attempt"
+    mine = await post(http, stack, acme, key, payment_body())
+    theirs = await post(http, stack, globex, key, payment_body())
+
+    assert mine.status_code == theirs.status_code == 201
+    assert "Idempotent-Replayed" not in theirs.headers
+    assert mine.json()["id"] != theirs.json()["id"]
+    assert await db.fetchval("SELECT count(*) FROM fake_psp.charge") == 2
+    # Their derived keys differ too, so the PSP never sees one as a replay of the other.
+    assert derived_key(acme.id, key, "ext1") != derived_key(globex.id, key, "ext1")
+
+
+async def test_a_new_key_for_an_already_paid_reference_is_409_and_pays_nothing(http, stack, db, acme):
+    body = payment_body()
+    first = (await post(http, stack, acme, str(uuid.uuid4()), body)).json()
+    second_key = str(uuid.uuid4())
+
+    duplicate = await post(http, stack, acme, second_key, body)
+
+    assert duplicate.status_code == 409
+    problem = duplicate.json()
+    assert problem["type"] == "/problems/duplicate-payment" and problem["payment_id"] == first["id"]
+    assert await key_row(db, acme.id, second_key) is None
+    assert len(await payments_for(db, body["reference"])) == 1
+    assert len(await charges(db, body["reference"])) == 1
+
+
+async def test_a_declined_card_is_a_final_result_stored_and_replayed(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), payment_body(card_token="tok_decline")
+    declined = await post(http, stack, acme, key, body)
+
+    assert declined.status_code == 201
+    payment = declined.json()
+    assert payment["status"] == "declined"
+    assert payment["failure"]["stage"] == "charge" and payment["failure"]["code"] == "card_declined"
+    replay = await post(http, stack, acme, key, body)
+    assert replay.content == declined.content and replay.headers["Idempotent-Replayed"] == "true"
+    assert (await key_row(db, acme.id, key))["state"] == "finished"
+    assert [c["status"] for c in await charges(db, body["reference"])] == ["declined"]
+    assert await transfers(db, body["reference"]) == []
+    assert await ledger(db, uuid.UUID(payment["id"])) == []
+
+
+async def test_a_rail_rejection_is_compensated_by_exactly_one_refund(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), payment_body()
+    await set_faults(http, stack.rail, {"action": "reject", "reference": body["reference"]})
+
+    failed = await post(http, stack, acme, key, body)
+
+    assert failed.status_code == 201
+    payment = failed.json()
+    assert payment["status"] == "failed" and payment["failure"]["stage"] == "payout"
+    [charge] = await charges(db, body["reference"])
+    [transfer] = await transfers(db, body["reference"])
+    [refund] = await refunds(db, body["reference"])
+    assert transfer["status"] == "rejected"
+    assert refund["charge_id"] == charge["id"] and refund["amount"] == charge["amount"]
+    assert refund["idempotency_key"] == derived_key(acme.id, key, "ext3")
+    entries = await ledger(db, uuid.UUID(payment["id"]))
+    assert {e[0] for e in entries} == {"charge_captured", "charge_refunded"}
+    # Every account is back to zero: the customer paid nothing, we earned nothing.
+    net: dict[str, int] = {}
+    for _, account, debit, credit in entries:
+        net[account] = net.get(account, 0) + debit - credit
+    assert set(net.values()) == {0}
+    replay = await post(http, stack, acme, key, body)
+    assert replay.content == failed.content
+    assert len(await refunds(db, body["reference"])) == 1
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"[]",
+        b"",
+        json.dumps(payment_body(amount="1250")).encode(),
+        json.dumps(payment_body(amount=-5)).encode(),
+        json.dumps(payment_body(amount=12.5)).encode(),
+        json.dumps(payment_body(amount=10)).encode(),
+        json.dumps(payment_body(currency="XXX")).encode(),
+        json.dumps(payment_body(beneficiary={"name": "A", "iban": "DE00370400440532013000"})).encode(),
+        json.dumps(payment_body(card_token="4111111111111111")).encode(),
+        json.dumps(payment_body(reference="x" * 65)).encode(),
+        json.dumps(payment_body(unexpected=True)).encode(),
+        json.dumps(payment_body(amount=10**30)).encode(),
+    ],
+)
+async def test_a_malformed_body_is_a_400_problem_and_stores_nothing(http, stack, db, acme, content):
+    response = await http.post(
+        f"{stack.api}/v1/payments",
+        content=content,
+        headers=headers(acme, str(uuid.uuid4())) | {"Content-Type": "application/json"},
+    )
+
+    assert response.status_code == 400
+    problem = response.json()
+    assert response.headers["content-type"] == PROBLEM
+    assert problem["type"] == "/problems/invalid-request" and problem["errors"]
+    assert await db.fetchval("SELECT count(*) FROM idempotency_key") == 0
+    assert await db.fetchval("SELECT count(*) FROM fake_psp.charge") == 0
+
+
+async def test_a_lost_rail_response_is_recovered_by_the_inline_probe_without_a_second_transfer(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), payment_body()
+    await set_faults(http, stack.rail, {"action": "error_after", "reference": body["reference"]})
+
+    response = await post(http, stack, acme, key, body)
+
+    assert response.status_code == 201 and response.json()["status"] == "succeeded"
+    assert len(await transfers(db, body["reference"])) == 1
+
+
+async def test_an_unknown_outcome_answers_202_and_a_retry_completes_it_once(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), payment_body()
+    # The PSP answers 500 before applying: we cannot know that, so it is unknown.
+    await set_faults(
+        http, stack.psp, {"action": "error_before", "status": 500, "reference": body["reference"]}
+    )
+
+    pending = await post(http, stack, acme, key, body)
+
+    assert pending.status_code == 202
+    assert pending.headers["Location"] == f"/v1/payments/{pending.json()['id']}"
+    row = await key_row(db, acme.id, key)
+    assert row["state"] == "started" and row["recovery_point"] == "EXT1_SENT" and row["lease_token"] is None
+    shown = (await http.get(stack.api + pending.headers["Location"], headers=acme.auth)).json()
+    assert shown["status"] == "processing"
+
+    finished = await post(http, stack, acme, key, body)
+
+    assert finished.status_code == 201 and finished.json()["status"] == "succeeded"
+    assert finished.json()["id"] == pending.json()["id"]
+    assert len(await charges(db, body["reference"])) == 1
+    assert len(await transfers(db, body["reference"])) == 1
+    assert (await key_row(db, acme.id, key))["attempts"] == 2
+
+
+async def test_the_key_endpoint_shows_the_state_machine_and_its_timeline(http, stack, db, acme):
+    key = str(uuid.uuid4())
+    await post(http, stack, acme, key, payment_body())
+
+    view = (await http.get(f"{stack.api}/v1/idempotency-keys/{key}", headers=acme.auth)).json()
+
+    assert view["state"] == "finished" and view["attempts"] == 1
+    assert [e["recovery_point"] for e in view["timeline"]] == ["EXT1_SENT", "EXT2_SENT", "finished"]

@@ -1,0 +1,63 @@
+"""Helpers for reading the evidence: our rows, the ledger, the fake rails' records."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import asyncpg
+
+IBAN = "DE89370400440532013000"
+
+
+def payment_body(reference: str | None = None, **overrides: Any) -> dict[str, Any]:
+    return {
+        "amount": 1250,
+        "currency": "EUR",
+        "reference": reference or f"order-{uuid.uuid4().hex[:10]}",
+        "card_token": "tok_visa",
+        "beneficiary": {"name": "Ada Lovelace", "iban": IBAN},
+    } | overrides
+
+
+def headers(client, key: str | None) -> dict[str, str]:
+    h = dict(client.auth)
+    if key is not None:
+        h["Idempotency-Key"] = key
+    return h
+
+
+async def charges(db: asyncpg.Connection, reference: str) -> list[asyncpg.Record]:
+    return await db.fetch("SELECT * FROM fake_psp.charge WHERE reference = $1", reference)
+
+
+async def refunds(db: asyncpg.Connection, reference: str) -> list[asyncpg.Record]:
+    return await db.fetch("SELECT * FROM fake_psp.refund WHERE reference = $1", reference)
+
+
+async def transfers(db: asyncpg.Connection, reference: str) -> list[asyncpg.Record]:
+    return await db.fetch("SELECT * FROM fake_rail.transfer WHERE reference = $1", reference)
+
+
+async def key_row(db: asyncpg.Connection, client_id: int, key: str) -> asyncpg.Record | None:
+    return await db.fetchrow("SELECT * FROM idempotency_key WHERE client_id = $1 AND key = $2", client_id, key)
+
+
+async def payments_for(db: asyncpg.Connection, reference: str) -> list[asyncpg.Record]:
+    return await db.fetch("SELECT * FROM payment WHERE reference = $1", reference)
+
+
+async def ledger(db: asyncpg.Connection, payment_id) -> list[tuple[str, str, int, int]]:
+    rows = await db.fetch(
+        "SELECT posting, account, debit_minor, credit_minor FROM ledger_entry WHERE payment_id = $1 ORDER BY id",
+        payment_id,
+    )
+    return [tuple(r) for r in rows]
+
+
+async def unbalanced_payments(db: asyncpg.Connection) -> list[asyncpg.Record]:
+    """Every payment whose ledger entries do not sum to zero (there must be none)."""
+    return await db.fetch(
+        "SELECT payment_id, sum(debit_minor) - sum(credit_minor) AS imbalance "
+        "FROM ledger_entry GROUP BY payment_id HAVING sum(debit_minor) <> sum(credit_minor)"
+    )

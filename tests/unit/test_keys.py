@@ -1,0 +1,76 @@
+"""Key validation, fingerprints and derived keys: pure functions, no database."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.idempotency.keys import (
+    InvalidIdempotencyKey, derived_key, end_to_end_reference, parse_idempotency_key, request_fingerprint,
+)
+from app.payments.models import PaymentRequest, fee_for, iban_is_valid
+
+
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ("8e03978e-40d5-43e8-bc93-6894a57f9324", "8e03978e-40d5-43e8-bc93-6894a57f9324"),
+        ('"8e03978e-40d5-43e8-bc93-6894a57f9324"', "8e03978e-40d5-43e8-bc93-6894a57f9324"),
+        ("invoice-2026-0042", "invoice-2026-0042"),
+        ("a", "a"),
+        ("x" * 255, "x" * 255),
+        ("base64+/=", "base64+/="),
+    ],
+)
+def test_valid_keys_are_accepted_bare_or_quoted(raw, key):
+    assert parse_idempotency_key(raw) == key
+
+
+@pytest.mark.parametrize("raw", ["", '""', "x" * 256, "a b", "a;b", "ключ", "a\x00b", '"a', "a,b", "{}"])
+def test_invalid_keys_are_refused(raw):
+    with pytest.raises(InvalidIdempotencyKey):
+        parse_idempotency_key(raw)
+
+
+def test_the_fingerprint_ignores_json_layout_but_not_content():
+    a = {"amount": 100, "currency": "EUR", "nested": {"x": 1, "y": 2}}
+    b = {"nested": {"y": 2, "x": 1}, "currency": "EUR", "amount": 100}
+    assert request_fingerprint("POST", "/v1/payments", a) == request_fingerprint("post", "/v1/payments", b)
+    assert request_fingerprint("POST", "/v1/payments", a) != request_fingerprint("POST", "/v1/payments", a | {"amount": 101})
+    assert request_fingerprint("POST", "/v1/payments", a) != request_fingerprint("POST", "/v1/other", a)
+
+
+def test_derived_keys_are_deterministic_and_distinct_per_client_key_and_step():
+    assert derived_key(1, "k", "ext1") == derived_key(1, "k", "ext1")
+    keys = {derived_key(c, k, s) for c in (1, 2) for k in ("k", "k2") for s in ("ext1", "ext2", "ext3")}
+    assert len(keys) == 12
+    # No ambiguity from concatenation: (1, "1k") and (11, "k") are different operations.
+    assert derived_key(1, "1k", "ext1") != derived_key(11, "k", "ext1")
+
+
+def test_the_end_to_end_reference_is_deterministic_and_fits_iso_20022():
+    ref = end_to_end_reference(7, "abc")
+    assert ref == end_to_end_reference(7, "abc") != end_to_end_reference(8, "abc")
+    assert len(ref) <= 35 and ref.isalnum()
+
+
+def test_the_fee_is_integer_and_rounds_up():
+    assert fee_for(1250) == 18 + 25  # 1.4% of 1250 is 17.5, rounded up to 18
+    assert fee_for(10_000) == 140 + 25
+    assert isinstance(fee_for(999), int)
+
+
+def test_iban_check_digits_are_verified():
+    assert iban_is_valid("DE89370400440532013000")
+    assert iban_is_valid("GB82WEST12345698765432")
+    assert not iban_is_valid("DE88370400440532013000")
+    assert not iban_is_valid("de89370400440532013000")
+
+
+def test_two_bodies_that_validate_to_the_same_payment_have_the_same_fingerprint():
+    body = {
+        "amount": 1250, "currency": "EUR", "reference": "r", "card_token": "tok_visa",
+        "beneficiary": {"name": "Ada", "iban": "DE89370400440532013000"},
+    }
+    reordered = dict(reversed(list(body.items())))
+    fp = [request_fingerprint("POST", "/v1/payments", PaymentRequest.model_validate(b).model_dump(mode="json")) for b in (body, reordered)]
+    assert fp[0] == fp[1]
