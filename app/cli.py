@@ -205,7 +205,7 @@ def _print_welcome(api_port: int, psp_port: int, rail_port: int, api_key: str) -
     console.print(f"API key    [bold]{api_key}[/]  (client 'demo')")
     console.print("\nPay once (paste it twice: the second answer is a replay, with Idempotent-Replayed: true):\n")
     console.print(
-        f"curl -i -X POST http://127.0.0.1:{api_port}/v1/payments \\\n"
+        f"curl -sS -i -X POST http://127.0.0.1:{api_port}/v1/payments \\\n"
         f"  -H 'Authorization: Bearer {api_key}' \\\n"
         f"  -H 'Idempotency-Key: {key}' \\\n"
         f"  -H 'Content-Type: application/json' \\\n"
