@@ -51,4 +51,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     errors.install(app)
     app.include_router(router)
+    _document_required_key(app)
     return app
+
+
+def _document_required_key(app: FastAPI) -> None:
+    """Mark Idempotency-Key as required in the OpenAPI document.
+
+    The dependency declares it optional only so that a missing header is
+    answered with our own problem type (idempotency-key-missing) rather than a
+    generic validation error; for clients it is required.
+    """
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for parameter in schema["paths"]["/v1/payments"]["post"]["parameters"]:
+                if parameter["name"] == "Idempotency-Key":
+                    parameter["required"] = True
+                    parameter["schema"] = {"type": "string", "minLength": 1, "maxLength": 255}
+                    parameter["example"] = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -67,6 +67,12 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 400:
+            # FastAPI's own "error parsing the body" (bytes that are not UTF-8 JSON).
+            return problem_response(
+                INVALID_REQUEST, str(exc.detail), instance=request.url.path,
+                errors=[{"location": ["body"], "message": str(exc.detail), "type": "body_unparseable"}],
+            )
         problem = {404: NOT_FOUND, 405: METHOD_NOT_ALLOWED}.get(exc.status_code)
         if problem is None:
             body = {"type": "about:blank", "title": str(exc.detail), "status": exc.status_code}

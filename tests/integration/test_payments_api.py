@@ -257,6 +257,8 @@ async def test_a_rail_rejection_is_compensated_by_exactly_one_refund(http, stack
     "content",
     [
         b"{not json",
+        b'\xff\xfe{"amount": 1}',
+        b"[" * 100_000,
         b"[]",
         b"",
         json.dumps(payment_body(amount="1250")).encode(),
