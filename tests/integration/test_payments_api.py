@@ -331,3 +331,22 @@ async def test_the_key_endpoint_shows_the_state_machine_and_its_timeline(http, s
 
     assert view["state"] == "finished" and view["attempts"] == 1
     assert [e["recovery_point"] for e in view["timeline"]] == ["EXT1_SENT", "EXT2_SENT", "finished"]
+
+
+async def test_no_transaction_is_held_open_while_the_psp_is_called(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), payment_body()
+    await set_faults(http, stack.psp, {"action": "delay", "reference": body["reference"], "seconds": 1.5})
+    first = asyncio.create_task(post(http, stack, acme, key, body))
+    while await key_row(db, acme.id, key) is None:
+        await asyncio.sleep(0.02)
+
+    # The API is now waiting on the PSP. Had it kept its transaction open, its
+    # session would show as "idle in transaction" (holding the key row's locks).
+    in_transaction = await db.fetch(
+        "SELECT application_name, query FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%'"
+    )
+
+    assert in_transaction == []
+    assert not first.done()
+    assert (await first).status_code == 201

@@ -1,0 +1,1 @@
+"""Benchmarks of the payment path; `make bench` runs `bench.run`."""
