@@ -7,6 +7,7 @@ an embedded PostgreSQL unless DATABASE_URL names a server.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 import subprocess
@@ -152,13 +153,15 @@ def _interrupt(*_: object) -> None:
 
 
 def _demo_api_key(url: str) -> str:
-    """The demo client's key: kept in .data/ so a second `make run` prints the same one."""
+    """The demo client's key: kept in .data/ so the next `make run` prints the same one."""
     from app import clients
     from app.config import asyncpg_url
     from app.db.transaction import read
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    path = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")) / "demo-api-key"
+    # One file per database, so switching DATABASE_URL back and forth keeps both keys.
+    digest = hashlib.sha256(url.encode()).hexdigest()[:12]
+    path = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")) / f"demo-api-key-{digest}"
     if path.exists():
         api_key = path.read_text().strip()
 
