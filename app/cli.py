@@ -79,6 +79,30 @@ def api(
 
 
 @cli.command()
+def worker() -> None:
+    """Run the recovery worker: resume operations whose owner died or gave up."""
+    import logging
+
+    from app.config import Settings
+    from app.workers import recovery
+
+    _database_url()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    recovery.main(Settings())
+
+
+@cli.command("crash-points")
+def crash_points_command(
+    explain: bool = typer.Option(False, "--explain", help="Say what is durable at each point."),
+) -> None:
+    """List the named crash points, one per line (for PAYMENTS_CRASH_AT)."""
+    from app.payments.crash_points import POINTS
+
+    for point, meaning in POINTS.items():
+        print(f"{point:26} {meaning}" if explain else point)
+
+
+@cli.command()
 def migrate() -> None:
     """Apply database migrations (Alembic) to DATABASE_URL."""
     migrate_database(_database_url())
@@ -99,7 +123,7 @@ def run(
     psp_port: int = typer.Option(8101, envvar="PSP_PORT"),
     rail_port: int = typer.Option(8102, envvar="RAIL_PORT"),
 ) -> None:
-    """Start everything: database, migrations, fake PSP, fake rail, API. Ctrl-C stops it all."""
+    """Start everything: database, migrations, fake PSP, fake rail, API, worker. Ctrl-C stops it all."""
     from app import embedded_db
 
     server, started_db = None, False
@@ -121,6 +145,7 @@ def run(
         "fake PSP": ([str(bin_dir / "fake-psp"), "--port", str(psp_port)], psp_port),
         "fake rail": ([str(bin_dir / "fake-rail"), "--port", str(rail_port)], rail_port),
         "API": ([str(bin_dir / "payments"), "api", "--port", str(api_port)], api_port),
+        "recovery worker": ([str(bin_dir / "payments"), "worker"], None),
     }
     children: list[subprocess.Popen] = []
     try:
@@ -128,7 +153,10 @@ def run(
             children.append(subprocess.Popen(argv, env=env))
             _wait_healthy(name, port, children[-1])
         _print_welcome(api_port, psp_port, rail_port, api_key)
+        # A closed terminal (SIGHUP) or a polite kill (SIGTERM) must clean up
+        # like Ctrl-C does, or the children would outlive us.
         signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGHUP, _interrupt)
         while all(child.poll() is None for child in children):
             time.sleep(0.5)
         console.print("[red]a process exited; stopping everything[/]")
@@ -180,7 +208,9 @@ def _demo_api_key(url: str) -> str:
     return api_key
 
 
-def _wait_healthy(name: str, port: int, child: subprocess.Popen) -> None:
+def _wait_healthy(name: str, port: int | None, child: subprocess.Popen) -> None:
+    if port is None:
+        return  # no HTTP face (the worker): it is up if it has not exited
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if child.poll() is not None:
@@ -205,6 +235,7 @@ def _print_welcome(api_port: int, psp_port: int, rail_port: int, api_key: str) -
     console.print(f"API        http://127.0.0.1:{api_port}   (OpenAPI UI: http://127.0.0.1:{api_port}/docs)")
     console.print(f"fake PSP   http://127.0.0.1:{psp_port}   (records: /_admin/charges)")
     console.print(f"fake rail  http://127.0.0.1:{rail_port}   (records: /_admin/transfers)")
+    console.print("worker     the recovery worker resumes any payment whose owner died")
     console.print(f"API key    [bold]{api_key}[/]  (client 'demo')")
     console.print("\nPay once (paste it twice: the second answer is a replay, with Idempotent-Replayed: true):\n")
     console.print(

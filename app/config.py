@@ -48,6 +48,27 @@ class Settings(BaseSettings):
     retry_after_seconds: int = Field(default=1, ge=1)
     db_pool_size: int = Field(default=20, ge=1)
 
+    # After this many attempts whose outcome stayed unknown, an operation is
+    # parked as indeterminate for reconciliation instead of being retried.
+    max_attempts: int = Field(default=8, ge=1)
+    # The recovery worker's backoff between attempts: base * 2^(n-1), capped.
+    backoff_base_seconds: float = Field(default=1.0, gt=0)
+    backoff_cap_seconds: float = Field(default=300.0, gt=0)
+    # The recovery worker: how often it sweeps, how old a stranded operation
+    # must be before it is touched, and how many it drives at once.
+    worker_poll_seconds: float = Field(default=1.0, gt=0)
+    worker_min_age_seconds: float = Field(default=2.0, ge=0)
+    worker_concurrency: int = Field(default=8, ge=1)
+    # Crash tests and demos only: die at this named point (app.payments.crash_points).
+    payments_crash_at: str | None = None
+
+    @field_validator("payments_crash_at")
+    @classmethod
+    def _known_crash_point(cls, value: str | None) -> str | None:
+        from app.payments.crash_points import validate
+
+        return validate(value or None)
+
     @field_validator("database_url")
     @classmethod
     def _postgres_only(cls, value: str) -> str:

@@ -91,7 +91,9 @@ def start(server: EmbeddedServer) -> bool:
         )
     # The socket goes in the data directory: /tmp may not be writable by the
     # server user, and no other program needs the socket (we use TCP).
-    options = f"-h 127.0.0.1 -p {server.port} -k {server.data_dir}"
+    # Tests and benchmarks run two API processes, both fakes and a recovery
+    # worker at once, each with its own pool: more than the default 100.
+    options = f"-h 127.0.0.1 -p {server.port} -k {server.data_dir} -c max_connections=300"
     subprocess.run(
         [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(server.data_dir), "-l", str(server.data_dir / "server.log"),
          "-o", options, "-w", "-t", "60", "start"],

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
-import httpx
 from fastapi import FastAPI
 
 from app.api import errors
 from app.api.routes import router
 from app.config import Settings
-from app.db.engine import build_engine
-from app.payments.runner import Services
 from app.problems import CATALOGUE
-from app.rails.client import PSP, Rail
+from app.services import open_services
 
 DESCRIPTION = """
 A payments API that moves money **exactly once**, however often a request is
@@ -31,17 +28,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine = build_engine(settings)
-        limits = httpx.Limits(max_connections=200, max_keepalive_connections=100)
-        async with httpx.AsyncClient(limits=limits) as http:
-            app.state.services = Services(
-                settings=settings,
-                engine=engine,
-                psp=PSP(http, settings.psp_url, settings.psp_timeout_seconds, settings.transient_retries),
-                rail=Rail(http, settings.rail_url, settings.rail_timeout_seconds, settings.transient_retries),
-            )
+        async with open_services(settings) as services:
+            app.state.services = services
             yield
-        await engine.dispose()
 
     app = FastAPI(
         title="Exactly-once payments",

@@ -7,8 +7,8 @@ dropped and re-created by migrations at the start of every run, so a user's
 data is never touched.
 
 The fake PSP, the fake rail and two API processes run as separate processes
-for the whole session (`stack`); every test starts from empty tables and an
-empty fault plan (`clean`).
+for the whole session (`stack`); every integration and crash test starts from
+empty tables and an empty fault plan (`clean`). Unit tests need none of it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,9 +52,16 @@ def server_url() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def database_url(server_url: str) -> str:
     """A fresh `payments_test` database whose schema comes only from migrations."""
-    embedded_db.create_database(server_url, TEST_DATABASE, recreate=True)
     url = server_url.rsplit("/", 1)[0] + "/" + TEST_DATABASE
-    migrate_database(url)
+
+    def prepare() -> None:
+        embedded_db.create_database(server_url, TEST_DATABASE, recreate=True)
+        migrate_database(url)
+
+    # Both run their own event loop (asyncio.run), which cannot nest inside
+    # pytest-asyncio's running one, so they get a thread of their own.
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(prepare).result()
     return url
 
 
@@ -170,13 +178,9 @@ async def http() -> httpx.AsyncClient:
         yield client
 
 
-@pytest.fixture(autouse=True)
-async def clean(request: pytest.FixtureRequest) -> None:
-    """Empty tables and fault plans before every test that uses the stack."""
-    if "stack" not in request.fixturenames:
-        return
-    stack: Stack = request.getfixturevalue("stack")
-    db: asyncpg.Connection = request.getfixturevalue("db")
+@pytest.fixture
+async def clean(stack: Stack, db: asyncpg.Connection) -> None:
+    """Empty tables and fault plans; autouse in integration/ and crash/."""
     await db.execute(
         "TRUNCATE ledger_entry, idempotency_key, payment, client, "
         "fake_psp.charge, fake_psp.refund, fake_rail.transfer"
@@ -212,3 +216,43 @@ async def acme(db: asyncpg.Connection, stack: Stack) -> Client:
 @pytest.fixture
 async def globex(db: asyncpg.Connection, stack: Stack) -> Client:
     return await make_client(db, "globex")
+
+
+class Processes:
+    """Processes a single test starts (and kills); all are stopped when it ends."""
+
+    def __init__(self, database_url: str, stack: Stack, logs: Path) -> None:
+        self.database_url, self.stack, self.logs = database_url, stack, logs
+        self.started: list[Process] = []
+
+    def api(self, name: str = "api", **env: str) -> Process:
+        port = free_port()
+        process = Process(
+            name, [str(BIN / "payments"), "api", "--port", str(port)],
+            api_env(self.database_url, self.stack.psp, self.stack.rail, **env), port, self.logs / f"{name}-{port}.log",
+        )
+        self.started.append(process)
+        return process.start()
+
+    def worker(self, name: str = "worker", **env: str) -> subprocess.Popen:
+        """A recovery worker; it has no HTTP face, so it is "up" once spawned."""
+        env = api_env(self.database_url, self.stack.psp, self.stack.rail, **env)
+        process = Process(name, [str(BIN / "payments"), "worker"], env, 0, self.logs / f"{name}-{len(self.started)}.log")
+        process.popen = subprocess.Popen(
+            process.argv, env=env, stdout=process.log.open("ab"), stderr=subprocess.STDOUT
+        )
+        self.started.append(process)
+        return process.popen
+
+    def stop_all(self) -> None:
+        for process in self.started:
+            if process.popen and process.popen.poll() is None:
+                process.popen.kill()
+                process.popen.wait(10)
+
+
+@pytest.fixture
+def processes(database_url: str, stack: Stack, tmp_path: Path) -> Iterator[Processes]:
+    procs = Processes(database_url, stack, tmp_path)
+    yield procs
+    procs.stop_all()

@@ -15,7 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from app import clients
 from app.db.transaction import read
 from app.idempotency.keys import MAX_KEY_LENGTH, InvalidIdempotencyKey, parse_idempotency_key
-from app.payments.runner import Services
+from app.services import Services
 from app.problems import IDEMPOTENCY_KEY_INVALID, IDEMPOTENCY_KEY_MISSING, UNAUTHENTICATED, ProblemError
 
 _bearer = HTTPBearer(auto_error=False, description="The API key from `payments clients create NAME`.")

@@ -67,7 +67,7 @@ async def create_payment(
     if isinstance(outcome, Finished):
         headers = {"Idempotent-Replayed": "true"} if reply.replayed else {}
         return Response(outcome.body, outcome.status_code, headers=headers, media_type="application/json")
-    payment = outcome.operation.payment
+    payment = outcome.payment
     return Response(
         PaymentView.of(payment).body(),
         202,

@@ -48,6 +48,8 @@ class KeyRow:
     lease_live: bool
     lease_seconds_left: float
     attempts: int
+    next_attempt_at: datetime
+    parked: bool
     last_error: str | None
     response_code: int | None
     response_body: str | None
@@ -61,7 +63,8 @@ _COLUMNS = """
     client_id, key, endpoint, request_hash, state, recovery_point, payment_id,
     coalesce(lease_expires_at > now(), false) AS lease_live,
     greatest(extract(epoch FROM lease_expires_at - now()), 0)::float8 AS lease_seconds_left,
-    attempts, last_error, response_code, response_body, timeline,
+    attempts, next_attempt_at, parked_at IS NOT NULL AS parked,
+    last_error, response_code, response_body, timeline,
     created_at, updated_at, finished_at
 """
 
@@ -103,9 +106,9 @@ _TAKE_OVER = text(
            -- SET expressions see the old row, hence attempts + 1 here.
            timeline = {_EVENT.replace("CAST(:recovery_point AS text)", "recovery_point").replace("attempts)", "attempts + 1)")}
      WHERE client_id = :client_id AND key = :key
-       AND state = 'started'
+       AND state = 'started' AND parked_at IS NULL
        AND (lease_expires_at IS NULL OR lease_expires_at < now())
-    RETURNING lease_token, recovery_point, payment_id
+    RETURNING lease_token
     """
 )
 
@@ -150,10 +153,44 @@ _RELEASE = text(
        SET lease_token = NULL,
            lease_expires_at = NULL,
            last_error = :error,
+           next_attempt_at = now() + make_interval(secs => :retry_in),
            updated_at = now(),
            timeline = {_EVENT.replace("CAST(:recovery_point AS text)", "recovery_point")}
      WHERE client_id = :client_id AND key = :key
        AND lease_token = :token AND state = 'started'
+    """
+)
+
+
+# Parking hands the operation to reconciliation: the takeover above skips
+# parked rows, so no retry and no worker resumes it blindly any more.
+_PARK = text(
+    f"""
+    UPDATE idempotency_key
+       SET lease_token = NULL,
+           lease_expires_at = NULL,
+           parked_at = now(),
+           last_error = :error,
+           updated_at = now(),
+           timeline = {_EVENT.replace("CAST(:recovery_point AS text)", "recovery_point")}
+     WHERE client_id = :client_id AND key = :key
+       AND lease_token = :token AND state = 'started'
+    """
+)
+
+# What the recovery worker sweeps: unfinished, unparked, due, with no live
+# owner, and old enough that its first attempt is surely over. The partial
+# index idempotency_key_unfinished covers exactly these rows.
+_STRANDED = text(
+    """
+    SELECT client_id, key
+      FROM idempotency_key
+     WHERE state = 'started' AND parked_at IS NULL
+       AND next_attempt_at <= now()
+       AND (lease_expires_at IS NULL OR lease_expires_at < now())
+       AND created_at < now() - make_interval(secs => :min_age)
+     ORDER BY next_attempt_at
+     LIMIT :limit
     """
 )
 
@@ -234,9 +271,22 @@ async def finish(
     )
 
 
-async def release(conn: AsyncConnection, lease: Lease, error: str, *, event: str) -> None:
-    """Give up ownership without changing the recovery point, or raise LeaseLost."""
-    await _fenced(conn, _RELEASE, lease, error=error, event=event)
+async def release(conn: AsyncConnection, lease: Lease, error: str, retry_in: float, *, event: str) -> None:
+    """Give up ownership without changing the recovery point, or raise LeaseLost.
+
+    The worker will not try again for `retry_in` seconds (a client retry may).
+    """
+    await _fenced(conn, _RELEASE, lease, error=error, retry_in=retry_in, event=event)
+
+
+async def park(conn: AsyncConnection, lease: Lease, error: str, *, event: str) -> None:
+    """Give up for good: the outcome stays unknown and reconciliation settles it."""
+    await _fenced(conn, _PARK, lease, error=error, event=event)
+
+
+async def stranded(conn: AsyncConnection, *, min_age: float, limit: int) -> list[tuple[int, str]]:
+    rows = await conn.execute(_STRANDED, dict(min_age=min_age, limit=limit))
+    return [(r.client_id, r.key) for r in rows]
 
 
 async def _fenced(conn: AsyncConnection, statement, lease: Lease, **params) -> None:

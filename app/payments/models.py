@@ -24,7 +24,7 @@ MAX_AMOUNT_MINOR = 1_000_000_000  # ten million in a two-decimal currency
 FEE_BASIS_POINTS = 140
 FEE_FIXED_MINOR = 25
 
-PaymentStatus = Literal["processing", "succeeded", "declined", "failed"]
+PaymentStatus = Literal["processing", "succeeded", "declined", "failed", "indeterminate"]
 
 Reference = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,64}$")]
 CardToken = Annotated[str, StringConstraints(pattern=r"^tok_[A-Za-z0-9_]{1,64}$")]
@@ -146,6 +146,7 @@ class PaymentView(BaseModel):
     object: Literal["payment"] = "payment"
     status: PaymentStatus = Field(
         description="`processing` while the outcome is not yet known (never a failure); "
+        "`indeterminate` when repeated attempts could not learn it and reconciliation will; "
         "`succeeded`, `declined` or `failed` once final."
     )
     reference: str

@@ -54,6 +54,8 @@ class Operation:
     # call (we took the operation over, or an earlier call's outcome was
     # unknown): the runner then probes before it sends.
     resumed: bool
+    # Which attempt this is (1 for the first owner, +1 per takeover).
+    attempt: int = 1
     response: tuple[int, str] | None = None
 
 
@@ -124,7 +126,7 @@ async def take_over(conn: AsyncConnection, client_id: int, key: str, lease_secon
     assert row is not None and row.payment_id is not None
     payment = await payments.get(conn, client_id, row.payment_id)
     assert payment is not None
-    return Operation(lease, row.recovery_point, payment, resumed=True)
+    return Operation(lease, row.recovery_point, payment, resumed=True, attempt=row.attempts)
 
 
 async def record_charge(conn: AsyncConnection, op: Operation, charge: dict[str, Any], lease_seconds: float) -> Operation:
@@ -201,15 +203,28 @@ async def record_refund(conn: AsyncConnection, op: Operation, refund: dict[str, 
     return op
 
 
-async def release(conn: AsyncConnection, op: Operation, reason: str) -> None:
+async def release(conn: AsyncConnection, op: Operation, reason: str, retry_in: float) -> None:
     """Give the operation up at its current SENT point: the outcome is unknown.
 
-    Durable after commit: the same recovery point, no owner, and the reason.
-    The next actor (a client retry or the recovery worker) takes over at once,
-    probes with the same derived key, and carries on. Nothing is reported as
-    failed, because nothing is known to have failed.
+    Durable after commit: the same recovery point, no owner, the reason, and
+    when the recovery worker may try again. A client retry may take over at
+    once; either probes with the same derived key and carries on. Nothing is
+    reported as failed, because nothing is known to have failed.
     """
-    await keys.release(conn, op.lease, reason, event="outcome unknown, released")
+    await keys.release(conn, op.lease, reason, retry_in, event="outcome unknown, released")
+
+
+async def park(conn: AsyncConnection, op: Operation, reason: str) -> Payment:
+    """Stop trying: the outcome stayed unknown through every attempt.
+
+    Durable after commit: the payment is `indeterminate` and the key row is
+    parked at its SENT point with no owner. Nobody resumes it blindly from
+    here; reconciliation against the external system's records settles it.
+    Crash before commit: the row is merely released, and the next attempt
+    (the last one allowed) parks it.
+    """
+    await keys.park(conn, op.lease, reason, event="parked for reconciliation")
+    return await payments.update(conn, "indeterminate", op.payment.id)
 
 
 async def _finish(conn: AsyncConnection, op: Operation, final: Payment, change: str, *, event: str, **values: Any) -> Operation:

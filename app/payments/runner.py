@@ -15,28 +15,22 @@ never reported as failed.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from sqlalchemy.ext.asyncio import AsyncEngine
-
-from app.config import Settings
 from app.db.transaction import atomic
-from app.payments import phases
+from app.payments import crash_points, phases
+from app.payments.models import Payment
 from app.payments.phases import Operation
+from app.idempotency.store import LeaseLost
 from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED
-from app.rails.client import PSP, Rail
+from app.services import Services
 from app.rails.outcomes import Applied, CallOutcome, ProbeOutcome, Unknown
 
-
-@dataclass(frozen=True)
-class Services:
-    """What the runner needs; built once per process in `create_app`."""
-
-    settings: Settings
-    engine: AsyncEngine
-    psp: PSP
-    rail: Rail
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,9 +41,9 @@ class Finished:
 
 @dataclass(frozen=True)
 class Pending:
-    """The operation is released at a SENT point whose outcome is unknown."""
+    """The operation is released (or parked) at a SENT point whose outcome is unknown."""
 
-    operation: Operation
+    payment: Payment
     reason: str
 
 
@@ -80,16 +74,64 @@ _STEPS = {
 
 
 async def drive(services: Services, op: Operation) -> Finished | Pending:
-    """Run the remaining steps of `op`; raises LeaseLost if it is taken over meanwhile."""
+    """Run the remaining steps of `op`; raises LeaseLost if it is taken over meanwhile.
+
+    If anything else interrupts it (a bug, a lost database, the task being
+    cancelled because the worker is shutting down), the lease is given back
+    before the exception travels on, so the next actor can resume at once
+    instead of waiting for the lease to run out.
+    """
+    try:
+        return await _drive(services, op)
+    except LeaseLost:
+        raise
+    except BaseException as exc:
+        await asyncio.shield(_release_after_error(services, op, exc))
+        raise
+
+
+async def _release_after_error(services: Services, op: Operation, exc: BaseException) -> None:
+    try:
+        await atomic(services.engine, phases.release, op, f"interrupted: {exc!r}"[:500], 0.0)
+    except LeaseLost:
+        pass  # finished or taken over meanwhile: nothing of ours to release
+    except Exception:
+        log.exception("could not release %r; its lease will simply expire", op.lease.key)
+
+
+async def _drive(services: Services, op: Operation) -> Finished | Pending:
+    crash_at = services.settings.payments_crash_at
     while op.recovery_point != FINISHED:
         step = _STEPS[op.recovery_point]
         outcome = await _call(services, step, op)
         if isinstance(outcome, Unknown):
-            await atomic(services.engine, phases.release, op, outcome.reason)
-            return Pending(op, outcome.reason)
+            return await _give_up(services, op, outcome.reason)
+        crash_points.reached(crash_at, f"after-call-{crash_points.CALL_OF[op.recovery_point]}")
         op = await atomic(services.engine, step.record, op, outcome.record, services.settings.lease_seconds)
+        crash_points.reached(crash_at, f"after-commit-{op.recovery_point}")
     assert op.response is not None
     return Finished(*op.response)
+
+
+async def _give_up(services: Services, op: Operation, reason: str) -> Pending:
+    """Release the operation for a later attempt, or park it after the last one."""
+    settings = services.settings
+    if op.attempt >= settings.max_attempts:
+        payment = await atomic(services.engine, phases.park, op, reason)
+        return Pending(payment, reason)
+    retry_in = backoff_seconds(op.attempt, settings.backoff_base_seconds, settings.backoff_cap_seconds)
+    await atomic(services.engine, phases.release, op, reason, retry_in)
+    return Pending(op.payment, reason)
+
+
+def backoff_seconds(attempt: int, base: float, cap: float) -> float:
+    """Exponential backoff with jitter: about base * 2^(attempt-1), capped.
+
+    The jitter (a random half of the delay) keeps operations that failed
+    together, in one outage, from all being retried in the same instant.
+    """
+    ceiling = min(cap, base * 2 ** (attempt - 1))
+    return ceiling / 2 + random.uniform(0, ceiling / 2)
 
 
 async def _call(services: Services, step: _Step, op: Operation) -> CallOutcome:

@@ -19,10 +19,12 @@ from app.db.transaction import atomic, read
 from app.idempotency import store as keys
 from app.idempotency.keys import request_fingerprint
 from app.idempotency.store import LeaseLost
-from app.payments import phases
+from app.payments import crash_points, phases
+from app.payments import store as payments
 from app.payments.models import PaymentRequest
 from app.payments.phases import Operation
-from app.payments.runner import Finished, Pending, Services, drive
+from app.payments.runner import Finished, Pending, drive
+from app.services import Services
 from app.problems import IDEMPOTENCY_KEY_REUSED, REQUEST_IN_PROGRESS, ProblemError
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ async def submit_payment(services: Services, client_id: int, key: str, request: 
         lease_seconds=settings.lease_seconds,
     )
     if op is not None:
+        crash_points.reached(settings.payments_crash_at, f"after-commit-{op.recovery_point}")
         return Reply(await _drive(services, op))
 
     # The key exists. Only the stored row decides what happens next.
@@ -65,6 +68,11 @@ async def submit_payment(services: Services, client_id: int, key: str, request: 
     if row.state == "finished":
         assert row.response_code is not None and row.response_body is not None
         return Reply(Finished(row.response_code, row.response_body), replayed=True)
+    if row.parked:
+        # Reconciliation owns it now: say so (202, status indeterminate),
+        # never "failed", and never resume it blindly.
+        payment = await read(services.engine, payments.get, client_id, row.payment_id)
+        return Reply(Pending(payment, row.last_error or "parked"))
     if row.lease_live:
         raise _in_progress(settings.retry_after_seconds)
 
@@ -82,15 +90,6 @@ async def _drive(services: Services, op: Operation) -> Finished | Pending:
         # We stalled past our lease and another attempt owns the operation
         # now; our last phase was rolled back. It will answer the client.
         raise _in_progress(services.settings.retry_after_seconds) from None
-    except Exception as exc:
-        # A bug or a lost database: give the lease back so that a retry can
-        # resume at once instead of waiting for it to run out. If even that
-        # fails, the lease simply expires.
-        try:
-            await atomic(services.engine, phases.release, op, f"error: {exc!r}"[:500])
-        except Exception:
-            log.exception("could not release %r after an error", op.lease.key)
-        raise
 
 
 def _in_progress(retry_after: int) -> ProblemError:

@@ -52,6 +52,12 @@ _UPDATE = {
          WHERE id = :id RETURNING *
         """
     ),
+    "indeterminate": text(
+        """
+        UPDATE payment SET status = 'indeterminate', updated_at = now()
+         WHERE id = :id RETURNING *
+        """
+    ),
     "refunded": text(
         """
         UPDATE payment SET status = 'failed', psp_refund_id = :refund_id, updated_at = now()

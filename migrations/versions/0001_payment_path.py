@@ -40,7 +40,9 @@ def upgrade() -> None:
             beneficiary_name      text NOT NULL,
             beneficiary_iban      text NOT NULL,
             status                text NOT NULL
-                CHECK (status IN ('processing', 'succeeded', 'declined', 'failed')),
+                -- processing: not final (an unknown outcome is still processing);
+                -- indeterminate: parked for reconciliation after repeated unknowns.
+                CHECK (status IN ('processing', 'succeeded', 'declined', 'failed', 'indeterminate')),
             end_to_end_reference  text UNIQUE,
             psp_charge_key        text,
             psp_charge_id         text,
@@ -76,6 +78,12 @@ def upgrade() -> None:
             lease_token       uuid,
             lease_expires_at  timestamptz,
             attempts          integer NOT NULL DEFAULT 1,
+            -- When the recovery worker may next try (exponential backoff after
+            -- an unknown outcome); a client retry does not wait for it.
+            next_attempt_at   timestamptz NOT NULL DEFAULT now(),
+            -- Set when repeated unknown outcomes hand the operation to
+            -- reconciliation: nobody resumes it blindly any more.
+            parked_at         timestamptz,
             last_error        text,
             response_code     integer,
             response_body     text,
@@ -94,8 +102,8 @@ def upgrade() -> None:
     # The recovery worker scans only unfinished keys; finished ones are the vast
     # majority and never need to be looked at again.
     op.execute(
-        "CREATE INDEX idempotency_key_unfinished ON idempotency_key (lease_expires_at) "
-        "WHERE state = 'started'"
+        "CREATE INDEX idempotency_key_unfinished ON idempotency_key (next_attempt_at) "
+        "WHERE state = 'started' AND parked_at IS NULL"
     )
     op.execute(
         """

@@ -1,0 +1,50 @@
+"""Named points where a process can be made to die, for crash tests and demos.
+
+A process started with `PAYMENTS_CRASH_AT=<point>` calls `os._exit` the first
+time it reaches that point: no `finally` blocks, no connection clean-up, no
+response, exactly what a SIGKILL or a power cut would leave. The point is read
+from the environment once, at start-up; nothing in a request can choose or
+trigger one.
+
+The points cover every gap between durable facts, for each external step N:
+
+    after-commit-<point>  a phase committed recovery point <point>; the next
+                          external call has not been made (for a SENT point)
+                          or the response has not been sent (for finished)
+    after-call-EXTN       external call N was applied; its outcome is not yet
+                          committed (the "debited, then crashed" case)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED
+
+POINTS: dict[str, str] = {
+    f"after-commit-{EXT1_SENT}": "Handler1 committed (payment row, K1); the PSP has not been called.",
+    "after-call-EXT1": "The PSP charged the card; the charge is not recorded yet.",
+    f"after-commit-{EXT2_SENT}": "The charge is recorded and the payout instruction built; the rail has not been called.",
+    "after-call-EXT2": "The rail accepted (or rejected) the transfer; its outcome is not recorded yet.",
+    f"after-commit-{EXT3_SENT}": "The rejection is recorded and the refund intended; the PSP has not been asked to refund.",
+    "after-call-EXT3": "The PSP refunded the charge; the refund is not recorded yet.",
+    f"after-commit-{FINISHED}": "The final response is stored; the client has not received it.",
+}
+
+# Which external call each SENT point makes (for the after-call-EXTN names).
+CALL_OF = {EXT1_SENT: "EXT1", EXT2_SENT: "EXT2", EXT3_SENT: "EXT3"}
+
+
+def validate(point: str | None) -> str | None:
+    if point is not None and point not in POINTS:
+        raise ValueError(f"unknown crash point {point!r}; `payments crash-points` lists them")
+    return point
+
+
+def reached(configured: str | None, point: str) -> None:
+    """Die here, at once and without clean-up, if this process was told to."""
+    if configured == point:
+        sys.stderr.write(f"PAYMENTS_CRASH_AT={point}: exiting now, as a crash would\n")
+        sys.stderr.flush()
+        os._exit(137)

@@ -1,0 +1,42 @@
+"""The long-lived things a process needs: settings, the engine, the rail clients.
+
+Built once per process: by `create_app` for the API, by `payments worker` for
+the recovery worker. Both then drive payments through the same runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.config import Settings
+from app.db.engine import build_engine
+from app.rails.client import PSP, Rail
+
+
+@dataclass(frozen=True)
+class Services:
+    settings: Settings
+    engine: AsyncEngine
+    psp: PSP
+    rail: Rail
+
+
+@asynccontextmanager
+async def open_services(settings: Settings) -> AsyncIterator[Services]:
+    engine = build_engine(settings)
+    limits = httpx.Limits(max_connections=200, max_keepalive_connections=100)
+    try:
+        async with httpx.AsyncClient(limits=limits) as http:
+            yield Services(
+                settings=settings,
+                engine=engine,
+                psp=PSP(http, settings.psp_url, settings.psp_timeout_seconds, settings.transient_retries),
+                rail=Rail(http, settings.rail_url, settings.rail_timeout_seconds, settings.transient_retries),
+            )
+    finally:
+        await engine.dispose()

@@ -1,0 +1,1 @@
+"""Background work beside the API: the recovery worker (later: reconciliation)."""

@@ -1,0 +1,117 @@
+"""The recovery worker: finds operations that nobody is driving, and drives them.
+
+It is the seed's "background recovery worker [that] does exactly the same
+thing on a schedule" as a client retry: it sweeps the key table for started
+operations with no live lease (their owner died, or released them after an
+unknown outcome), takes each over with the same conditional UPDATE a retry
+uses, and resumes it through the same runner. Whichever gets there first, the
+outcome is identical; the other finds the row finished, or owned, and leaves it.
+
+Several workers and API replicas may run at once: the takeover's UPDATE lets
+exactly one of them own an operation, and the fencing check in every phase
+commit stops an owner that stalled past its lease. Nothing here locks rows
+while calling out: a takeover commits at once, like every other phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+
+from app.config import Settings
+from app.db.transaction import atomic, read
+from app.idempotency import store as keys
+from app.idempotency.store import LeaseLost
+from app.payments import phases
+from app.payments.runner import Finished, drive
+from app.services import Services, open_services
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SweepCounts:
+    finished: int = 0
+    pending: int = 0
+    skipped: int = 0
+    errors: int = 0
+    keys: list[str] = field(default_factory=list)
+
+    @property
+    def found(self) -> int:
+        return self.finished + self.pending + self.skipped + self.errors
+
+
+async def recover(services: Services, client_id: int, key: str) -> str:
+    """Take over one stranded operation and drive it; what became of it."""
+    op = await atomic(services.engine, phases.take_over, client_id, key, services.settings.lease_seconds)
+    if op is None:
+        return "skipped"  # a retry or another worker got there first
+    log.info("recovering client %s key %r from %s (attempt %s)", client_id, key, op.recovery_point, op.attempt)
+    try:
+        outcome = await drive(services, op)
+    except LeaseLost:
+        return "skipped"
+    except Exception:
+        log.exception("recovering %r failed; it stays resumable", key)
+        return "errors"
+    return "finished" if isinstance(outcome, Finished) else "pending"
+
+
+async def sweep_once(services: Services) -> SweepCounts:
+    """One pass: everything stranded right now, driven `worker_concurrency` at a time."""
+    settings = services.settings
+    stranded = await read(
+        services.engine, keys.stranded,
+        min_age=settings.worker_min_age_seconds, limit=settings.worker_concurrency * 4,
+    )
+    counts = SweepCounts(keys=[key for _, key in stranded])
+    gate = asyncio.Semaphore(settings.worker_concurrency)
+
+    async def one(client_id: int, key: str) -> None:
+        async with gate:
+            result = await recover(services, client_id, key)
+        setattr(counts, result, getattr(counts, result) + 1)
+
+    await asyncio.gather(*(one(client_id, key) for client_id, key in stranded))
+    return counts
+
+
+async def run(settings: Settings, stop: asyncio.Event) -> None:
+    """Sweep until `stop` is set; in-flight recoveries are cancelled, which releases their leases."""
+    async with open_services(settings) as services:
+        log.info("recovery worker started")
+        while not stop.is_set():
+            sweep = asyncio.create_task(sweep_once(services))
+            stopping = asyncio.create_task(stop.wait())
+            await asyncio.wait({sweep, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not sweep.done():
+                # SIGTERM mid-sweep: cancelling makes the runner give back
+                # every lease it holds (see runner.drive) before we exit.
+                sweep.cancel()
+                await asyncio.gather(sweep, return_exceptions=True)
+                break
+            stopping.cancel()
+            counts = sweep.result()
+            if counts.found:
+                log.info("sweep: %s", counts)
+            if counts.found < settings.worker_concurrency * 4:
+                # Nothing more is waiting: rest until the next poll, or stop.
+                try:
+                    await asyncio.wait_for(stop.wait(), settings.worker_poll_seconds)
+                except TimeoutError:
+                    pass
+        log.info("recovery worker stopped")
+
+
+def main(settings: Settings) -> None:
+    async def go() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await run(settings, stop)
+
+    asyncio.run(go())
