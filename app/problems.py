@@ -56,12 +56,14 @@ REQUEST_IN_PROGRESS = _t(
     "request-in-progress", 409, "A request with this key is still in progress",
     "Another attempt with the same Idempotency-Key owns this payment right now. Nothing was "
     "done by this request. Retry after the number of seconds in Retry-After with the same key "
-    "and body: you will get the final response.",
+    "and body: you will get the final response (or a 202 if its outcome is still unknown).",
 )
 DUPLICATE_PAYMENT = _t(
     "duplicate-payment", 409, "A payment with this reference already exists",
-    "Your client already has a payment with this `reference` (under another Idempotency-Key). "
-    "No new payment was made; `payment_id` names the existing one. A reference can be paid once.",
+    "Your client already has a payment with this `reference` (under another Idempotency-Key) "
+    "that is in progress or succeeded. No new payment was made; `payment_id` names the existing "
+    "one. A reference is freed only when its payment ends without moving money (declined, or "
+    "failed and refunded).",
 )
 IDEMPOTENCY_KEY_REUSED = _t(
     "idempotency-key-reused", 422, "Idempotency-Key was already used for a different request",

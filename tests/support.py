@@ -44,7 +44,7 @@ async def key_row(db: asyncpg.Connection, client_id: int, key: str) -> asyncpg.R
 
 
 async def payments_for(db: asyncpg.Connection, reference: str) -> list[asyncpg.Record]:
-    return await db.fetch("SELECT * FROM payment WHERE reference = $1", reference)
+    return await db.fetch("SELECT * FROM payment WHERE reference = $1 ORDER BY created_at", reference)
 
 
 async def ledger(db: asyncpg.Connection, payment_id) -> list[tuple[str, str, int, int]]:

@@ -1,8 +1,10 @@
 """Request dependencies: the services, the authenticated client, the key header.
 
-FastAPI solves these before it validates the body, so a request is checked in
-the order a careful reader would: who is asking (401), under which key (400),
-then what they ask for (400). Each refusal happens before anything is stored.
+FastAPI solves these before it validates the body, so a well-formed request
+is checked in the order a careful reader would: who is asking (401), under
+which key (400), then what they ask for (400). (Bytes that are not JSON at all
+are refused with 400 while FastAPI reads the body, before any of these.) Each
+refusal happens before anything is stored.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ async def read(
     *args: P.args,
     **kwargs: P.kwargs,
 ) -> T:
-    """Run a read-only query; nothing is written, so nothing is committed."""
+    """Run a read-only query in a transaction of its own (it writes nothing)."""
     async with engine.connect() as conn:
         async with conn.begin():
             return await query(conn, *args, **kwargs)

@@ -81,7 +81,8 @@ class PaymentRequest(BaseModel):
     currency: str = Field(description="ISO 4217 code.", examples=["EUR"])
     reference: Reference = Field(
         description="Your identifier for what is being paid (an order, an invoice). "
-        "Unique per client: a second payment with the same reference is refused."
+        "A second payment with a reference that is in progress or paid is refused (409); "
+        "after a decline or a refunded failure the reference may be tried again."
     )
     card_token: CardToken = Field(description="The payer's card, tokenised at the PSP.")
     beneficiary: Beneficiary

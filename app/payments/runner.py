@@ -1,16 +1,18 @@
 """drive(operation): resume from the recorded recovery point to the end.
 
-The API (for a new request or a client retry that took over) and, in a later
-issue, the recovery worker all call this one function, so there is exactly
-one way a payment moves forward. Between phases it makes the external call
+The API (for a new request, or a client retry that took over) and the
+recovery worker (`app.workers.recovery`) all call this one function, so there
+is exactly one way a payment moves forward. Between phases it makes the external call
 that the recovery point names, with no transaction or pooled connection held.
 
 At a SENT point it knows only that the call *may* have been made. A fresh
 owner that just recorded the intent sends at once; a resumed owner probes
 first and sends (with the same derived key) only if the external system has
 no record. If the outcome stays unknown after one inline probe, it releases
-the operation at the same recovery point and reports it pending: unknown is
-never reported as failed.
+the operation at the same recovery point (the worker retries it later, with
+backoff) or, after `max_attempts`, parks it as indeterminate for
+reconciliation; either way it reports it pending: unknown is never reported
+as failed.
 """
 
 from __future__ import annotations

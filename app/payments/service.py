@@ -7,7 +7,8 @@ This is the response matrix of seed 001, in the order it is decided:
     key exists, finished               -> the stored response, byte for byte
     key exists, started, lease live    -> 409 request-in-progress + Retry-After
     key exists, started, lease expired -> take over, then drive   -> 201 (or 202)
-    new key, reference already paid    -> 409 duplicate-payment (nothing stored)
+    key exists, parked (indeterminate) -> 202, status indeterminate, nothing driven
+    new key, reference already in use  -> 409 duplicate-payment (nothing stored)
 """
 
 from __future__ import annotations

@@ -16,12 +16,15 @@ _INSERT = text(
          card_token, beneficiary_name, beneficiary_iban, status, psp_charge_key)
     VALUES (:id, :client_id, :reference, :amount, :currency, :fee, :net,
             :card_token, :beneficiary_name, :beneficiary_iban, 'processing', :psp_charge_key)
-    ON CONFLICT (client_id, reference) DO NOTHING
+    ON CONFLICT (client_id, reference) WHERE status NOT IN ('declined', 'failed') DO NOTHING
     RETURNING *
     """
 )
 
-_BY_REFERENCE = text("SELECT id FROM payment WHERE client_id = :client_id AND reference = :reference")
+_BY_REFERENCE = text(
+    "SELECT id FROM payment WHERE client_id = :client_id AND reference = :reference "
+    "AND status NOT IN ('declined', 'failed')"
+)
 _BY_ID = text("SELECT * FROM payment WHERE id = :id AND client_id = :client_id")
 
 _UPDATE = {
@@ -76,7 +79,7 @@ async def insert(
     fee: int,
     psp_charge_key: str,
 ) -> Payment | None:
-    """The new payment, or None if the client already has one with this reference."""
+    """The new payment, or None if one of the client's payments holds this reference."""
     row = (
         await conn.execute(
             _INSERT,

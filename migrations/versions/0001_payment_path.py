@@ -54,12 +54,18 @@ def upgrade() -> None:
             psp_refund_id         text,
             created_at            timestamptz NOT NULL DEFAULT now(),
             updated_at            timestamptz NOT NULL DEFAULT now(),
-            CHECK (net_minor = amount_minor - fee_minor),
-            -- Request identity is not business identity: a client that loses its
-            -- idempotency key and sends a new one still cannot pay an order twice.
-            UNIQUE (client_id, reference)
+            CHECK (net_minor = amount_minor - fee_minor)
         )
         """
+    )
+    # Request identity is not business identity: a client that loses its
+    # idempotency key and sends a new one still cannot pay an order twice.
+    # A payment that ended without moving money (declined, or failed and
+    # refunded) no longer holds its reference, so the order can be tried again
+    # (with another card, say); one in progress or succeeded always does.
+    op.execute(
+        "CREATE UNIQUE INDEX payment_reference_in_force ON payment (client_id, reference) "
+        "WHERE status NOT IN ('declined', 'failed')"
     )
     op.execute(
         """
