@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from app.config import Settings
 from app.db.transaction import atomic, read
@@ -33,11 +33,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class SweepCounts:
-    finished: int = 0
-    pending: int = 0
-    skipped: int = 0
-    errors: int = 0
-    keys: list[str] = field(default_factory=list)
+    """What one sweep found, by what became of each operation."""
+
+    finished: int = 0  # driven to its final response
+    pending: int = 0  # outcome still unknown: released with backoff, or parked
+    skipped: int = 0  # someone else owned it by the time we tried
+    errors: int = 0  # interrupted by a bug or a lost database; still resumable
 
     @property
     def found(self) -> int:
@@ -67,16 +68,14 @@ async def sweep_once(services: Services) -> SweepCounts:
         services.engine, keys.stranded,
         min_age=settings.worker_min_age_seconds, limit=settings.worker_concurrency * 4,
     )
-    counts = SweepCounts(keys=[key for _, key in stranded])
     gate = asyncio.Semaphore(settings.worker_concurrency)
 
-    async def one(client_id: int, key: str) -> None:
+    async def one(client_id: int, key: str) -> str:
         async with gate:
-            result = await recover(services, client_id, key)
-        setattr(counts, result, getattr(counts, result) + 1)
+            return await recover(services, client_id, key)
 
-    await asyncio.gather(*(one(client_id, key) for client_id, key in stranded))
-    return counts
+    results = await asyncio.gather(*(one(client_id, key) for client_id, key in stranded))
+    return SweepCounts(**{name: results.count(name) for name in ("finished", "pending", "skipped", "errors")})
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:

@@ -231,3 +231,28 @@ async def test_a_worker_stopped_with_sigterm_releases_the_operation_it_holds(htt
     retry = await http.post(f"{stack.api}/v1/payments", json=body, headers=headers(acme, key))
     assert retry.status_code == 201, retry.text
     await assert_exactly_once(http, stack, db, acme, key, body, rejected=False)
+
+
+async def test_two_workers_racing_over_many_stranded_payments_resume_each_exactly_once(
+    http, stack, db, acme, processes
+):
+    bodies = [payment_body() for _ in range(20)]
+    await set_faults(http, stack.psp, {"action": "error_before", "status": 500, "times": len(bodies)})
+    keys = [str(uuid.uuid4()) for _ in bodies]
+    pending = await asyncio.gather(
+        *(http.post(f"{stack.api}/v1/payments", json=b, headers=headers(acme, k)) for k, b in zip(keys, bodies))
+    )
+    assert {r.status_code for r in pending} == {202}
+    await db.execute("UPDATE idempotency_key SET next_attempt_at = now()")
+
+    processes.worker("worker-a", **FAST_WORKER)
+    processes.worker("worker-b", **FAST_WORKER)
+
+    async def all_finished() -> bool:
+        return await db.fetchval("SELECT count(*) FROM idempotency_key WHERE state = 'finished'") == len(keys)
+
+    await until(all_finished, "both workers to finish every payment")
+    for key, body in zip(keys, bodies):
+        await assert_exactly_once(http, stack, db, acme, key, body, rejected=False)
+        # One takeover per operation: no phase ran under two owners.
+        assert (await key_row(db, acme.id, key))["attempts"] == 2
