@@ -143,8 +143,34 @@ def database_server() -> Iterator[str]:
         yield server.url()
     finally:
         if started:
-            embedded_db.stop(server)
-            console.print("embedded PostgreSQL stopped")
+            others = other_sessions(server.url())
+            if others:
+                # We started it, but someone (a test run?) is using it now:
+                # stopping it would break them. They, or the next user, stop it.
+                console.print(f"embedded PostgreSQL left running: {others} other sessions are connected")
+            else:
+                embedded_db.stop(server)
+                console.print("embedded PostgreSQL stopped")
+
+
+def other_sessions(server_url: str) -> int:
+    """Client connections to databases other than ours (0 if the server is unreachable)."""
+
+    async def count() -> int:
+        conn = await asyncpg.connect(server_url)
+        try:
+            return await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' "
+                "AND pid <> pg_backend_pid() AND datname IS DISTINCT FROM $1",
+                BENCH_DATABASE,
+            )
+        finally:
+            await conn.close()
+
+    try:
+        return asyncio.run(count())
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        return 0
 
 
 def prepare_database(server_url: str) -> tuple[str, str]:
@@ -466,7 +492,11 @@ class Check:
 
 
 async def exactly_once(conn: asyncpg.Connection, paid: list[Paid], replays: PhaseResult) -> list[Check]:
-    """What the database says happened must be what exactly-once promises."""
+    """What the database says happened must be what exactly-once promises.
+
+    Every bench payment has a reference of its own and a card that is never
+    declined, so any second charge or transfer for a reference is a duplicate.
+    """
 
     async def count(sql: str, *args: Any) -> int:
         return await conn.fetchval(f"SELECT count(*) FROM ({sql}) AS x", *args)
