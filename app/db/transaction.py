@@ -41,7 +41,11 @@ async def read(
     *args: P.args,
     **kwargs: P.kwargs,
 ) -> T:
-    """Run a read-only query in a transaction of its own (it writes nothing)."""
-    async with engine.connect() as conn:
-        async with conn.begin():
-            return await query(conn, *args, **kwargs)
+    """Run a read-only query outside any explicit transaction.
+
+    One SELECT is atomic on its own; without BEGIN and COMMIT it is one round
+    trip to the database instead of three. (It must not write: nothing here
+    would roll a write back.)
+    """
+    async with engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
+        return await query(conn, *args, **kwargs)
