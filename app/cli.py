@@ -80,15 +80,76 @@ def api(
 
 @cli.command()
 def worker() -> None:
-    """Run the recovery worker: resume operations whose owner died or gave up."""
+    """Run the background worker: crash recovery, and reconciliation once per day."""
     import logging
 
     from app.config import Settings
-    from app.workers import recovery
+    from app.workers import process
 
     _database_url()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    recovery.main(Settings())
+    process.main(Settings())
+
+
+@cli.command()
+def reconcile(
+    day: str = typer.Option(None, "--date", help="The statement day (YYYY-MM-DD, UTC); default yesterday."),
+) -> None:
+    """Settle indeterminate payouts against the rail's statement for one day, once."""
+    import logging
+    from datetime import date
+
+    from app.config import Settings
+    from app.services import open_services
+    from app.workers import reconciliation
+
+    _database_url()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        window = date.fromisoformat(day) if day else reconciliation.yesterday()
+    except ValueError:
+        console.print(f"[red]--date must be YYYY-MM-DD, not {day!r}[/]")
+        raise typer.Exit(2) from None
+
+    async def go() -> dict | None:
+        async with open_services(Settings()) as services:
+            return await reconciliation.run_window(services, window)
+
+    counts = asyncio.run(go())
+    if counts is None:
+        console.print(f"window {window} is already reconciled, or a run for it is in progress")
+        return
+    console.print(f"reconciled {window}: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+
+
+@cli.command()
+def breaks() -> None:
+    """List reconciliation breaks: what could not be settled safely, for a person to look at."""
+    from rich.table import Table
+
+    from app.config import asyncpg_url
+    from app.db.transaction import read
+    from app.workers import reconciliation
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    async def go() -> list[dict]:
+        engine = create_async_engine(asyncpg_url(_database_url()))
+        try:
+            return await read(engine, reconciliation.list_breaks)
+        finally:
+            await engine.dispose()
+
+    rows = asyncio.run(go())
+    if not rows:
+        console.print("no breaks")
+        return
+    table = Table("detected", "window", "kind", "end-to-end reference", "payment", "details")
+    for r in rows:
+        table.add_row(
+            f"{r['detected_at']:%Y-%m-%d %H:%M:%S}", str(r["window_start"]), r["kind"],
+            r["end_to_end_reference"], str(r["payment_id"] or "-"), str(r["details"])[:80],
+        )
+    console.print(table)
 
 
 @cli.command("crash-points")

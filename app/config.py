@@ -33,6 +33,14 @@ class Settings(BaseSettings):
     )
     psp_url: str = "http://127.0.0.1:8101"
     rail_url: str = "http://127.0.0.1:8102"
+    # What the rail can do, from configuration (we cannot ask it). A legacy
+    # rail neither deduplicates by Idempotency-Key nor answers status probes,
+    # so a transfer to it is sent once and never blindly retried: a timeout or
+    # a lost response parks the payment for reconciliation. RAIL_LEGACY makes
+    # the whole rail legacy; RAIL_LEGACY_ACCOUNTS (comma-separated IBANs) only
+    # the payouts to those accounts.
+    rail_legacy: bool = False
+    rail_legacy_accounts: str = ""
 
     # A lease must outlast the slowest phase plus its external call, or a live
     # owner would be taken over while it is still working (it would then be
@@ -59,8 +67,16 @@ class Settings(BaseSettings):
     worker_poll_seconds: float = Field(default=1.0, gt=0)
     worker_min_age_seconds: float = Field(default=2.0, ge=0)
     worker_concurrency: int = Field(default=8, ge=1)
+    # Reconciliation inside `payments worker`: how often it checks whether
+    # yesterday's window still needs its run, and how long a run's lease lasts.
+    reconcile_every_seconds: float = Field(default=60.0, gt=0)
+    reconcile_lease_seconds: float = Field(default=300.0, gt=0)
     # Crash tests and demos only: die at this named point (app.payments.crash_points).
     payments_crash_at: str | None = None
+
+    @property
+    def legacy_accounts(self) -> frozenset[str]:
+        return frozenset(a.strip() for a in self.rail_legacy_accounts.split(",") if a.strip())
 
     @field_validator("payments_crash_at")
     @classmethod

@@ -116,6 +116,22 @@ def stop(server: EmbeddedServer) -> None:
     )
 
 
+def drop_database(url: str, name: str) -> None:
+    """Drop database `name` on the server at `url`, disconnecting whoever uses it."""
+    import asyncio
+
+    import asyncpg
+
+    async def go() -> None:
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+    asyncio.run(go())
+
+
 def create_database(url: str, name: str, *, recreate: bool = False) -> None:
     """Create database `name` on the server at `url` (a maintenance database)."""
     import asyncio

@@ -36,7 +36,10 @@ async def open_services(settings: Settings) -> AsyncIterator[Services]:
                 settings=settings,
                 engine=engine,
                 psp=PSP(http, settings.psp_url, settings.psp_timeout_seconds, settings.transient_retries),
-                rail=Rail(http, settings.rail_url, settings.rail_timeout_seconds, settings.transient_retries),
+                rail=Rail(
+                    http, settings.rail_url, settings.rail_timeout_seconds, settings.transient_retries,
+                    legacy=settings.rail_legacy, legacy_accounts=settings.legacy_accounts,
+                ),
             )
     finally:
         await engine.dispose()

@@ -2,9 +2,10 @@
 
 Without DATABASE_URL the suite starts the embedded PostgreSQL (the same one
 `make run` uses) and stops it afterwards if it started it. With DATABASE_URL,
-it uses that server. Either way it works in its own database, `payments_test`,
-dropped and re-created by migrations at the start of every run, so a user's
-data is never touched.
+it uses that server. Either way it works in a database of its own,
+`payments_test_<pid>`, created by migrations at the start of the run and
+dropped at its end, so a user's data is never touched and two runs at once
+(two checkouts, a developer and a helper) never share tables.
 
 The fake PSP, the fake rail and two API processes run as separate processes
 for the whole session (`stack`); every integration and crash test starts from
@@ -31,7 +32,7 @@ from app import clients, embedded_db
 from app.cli import migrate_database
 from app.config import libpq_url
 
-TEST_DATABASE = "payments_test"
+TEST_DATABASE = f"payments_test_{os.getpid()}"
 BIN = Path(sys.executable).parent
 
 
@@ -50,8 +51,8 @@ def server_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def database_url(server_url: str) -> str:
-    """A fresh `payments_test` database whose schema comes only from migrations."""
+def database_url(server_url: str) -> Iterator[str]:
+    """A fresh database for this run whose schema comes only from migrations."""
     url = server_url.rsplit("/", 1)[0] + "/" + TEST_DATABASE
 
     def prepare() -> None:
@@ -62,7 +63,9 @@ def database_url(server_url: str) -> str:
     # pytest-asyncio's running one, so they get a thread of their own.
     with ThreadPoolExecutor(1) as pool:
         pool.submit(prepare).result()
-    return url
+    yield url
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(embedded_db.drop_database, server_url, TEST_DATABASE).result()
 
 
 def free_port() -> int:
@@ -182,7 +185,7 @@ async def http() -> httpx.AsyncClient:
 async def clean(stack: Stack, db: asyncpg.Connection) -> None:
     """Empty tables and fault plans; autouse in integration/ and crash/."""
     await db.execute(
-        "TRUNCATE ledger_entry, idempotency_key, payment, client, "
+        "TRUNCATE reconciliation_break, scheduled_run, ledger_entry, idempotency_key, payment, client, "
         "fake_psp.charge, fake_psp.refund, fake_rail.transfer"
     )
     async with httpx.AsyncClient() as client:

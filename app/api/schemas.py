@@ -28,6 +28,8 @@ class KeyView(BaseModel):
     payment_id: uuid.UUID | None
     attempts: int
     lease_held: bool = Field(description="Whether an attempt owns the operation right now.")
+    next_attempt_at: datetime = Field(description="When the recovery worker may next try it.")
+    parked: bool = Field(description="Handed to reconciliation after repeated unknown outcomes.")
     last_error: str | None
     response_code: int | None
     created_at: datetime
@@ -45,6 +47,8 @@ class KeyView(BaseModel):
             payment_id=row.payment_id,
             attempts=row.attempts,
             lease_held=row.lease_live,
+            next_attempt_at=row.next_attempt_at,
+            parked=row.parked,
             last_error=row.last_error,
             response_code=row.response_code,
             created_at=row.created_at,

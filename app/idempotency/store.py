@@ -1,4 +1,4 @@
-"""The key table's operations: claim, load, take over, advance, release.
+"""The key table's operations: claim, load, take over, advance, finish, release, park.
 
 Every function takes a connection that is already inside a transaction (see
 `app.db.transaction`) and never commits. Ownership is decided by the database
@@ -178,9 +178,27 @@ _PARK = text(
     """
 )
 
+# Reconciliation, and only reconciliation, takes a parked operation back: it
+# has learned the outcome from the rail's statement, so it is no longer blind.
+_UNPARK = text(
+    f"""
+    UPDATE idempotency_key
+       SET parked_at = NULL,
+           lease_token = gen_random_uuid(),
+           lease_expires_at = now() + make_interval(secs => :lease_seconds),
+           attempts = attempts + 1,
+           updated_at = now(),
+           timeline = {_EVENT.replace("CAST(:recovery_point AS text)", "recovery_point").replace("attempts)", "attempts + 1)")}
+     WHERE client_id = :client_id AND key = :key
+       AND state = 'started' AND parked_at IS NOT NULL
+    RETURNING lease_token, attempts
+    """
+)
+
 # What the recovery worker sweeps: unfinished, unparked, due, with no live
 # owner, and old enough that its first attempt is surely over. The partial
-# index idempotency_key_unfinished covers exactly these rows.
+# index idempotency_key_unfinished holds only unfinished, unparked rows (a
+# tiny fraction of the table), ordered by when they are due.
 _STRANDED = text(
     """
     SELECT client_id, key
@@ -282,6 +300,14 @@ async def release(conn: AsyncConnection, lease: Lease, error: str, retry_in: flo
 async def park(conn: AsyncConnection, lease: Lease, error: str, *, event: str) -> None:
     """Give up for good: the outcome stays unknown and reconciliation settles it."""
     await _fenced(conn, _PARK, lease, error=error, event=event)
+
+
+async def unpark(conn: AsyncConnection, client_id: int, key: str, lease_seconds: float, *, event: str) -> tuple[Lease, int] | None:
+    """Own a parked operation again (for reconciliation); None if it is not parked."""
+    row = (
+        await conn.execute(_UNPARK, dict(client_id=client_id, key=key, lease_seconds=lease_seconds, event=event))
+    ).one_or_none()
+    return None if row is None else (Lease(client_id, key, row.lease_token), row.attempts)
 
 
 async def stranded(conn: AsyncConnection, *, min_age: float, limit: int) -> list[tuple[int, str]]:

@@ -30,6 +30,7 @@ POINTS: dict[str, str] = {
     f"after-commit-{EXT3_SENT}": "The rejection is recorded and the refund intended; the PSP has not been asked to refund.",
     "after-call-EXT3": "The PSP refunded the charge; the refund is not recorded yet.",
     f"after-commit-{FINISHED}": "The final response is stored; the client has not received it.",
+    "reconcile-after-settlement": "A reconciliation run settled one payment; the rest of its window is not done.",
 }
 
 # Which external call each SENT point makes (for the after-call-EXTN names).

@@ -127,6 +127,7 @@ class Payment:
     psp_refund_id: str | None
     created_at: datetime
     updated_at: datetime
+    payout_instructed_at: datetime | None
 
 
 class Failure(BaseModel):
@@ -192,6 +193,6 @@ def _failure(payment: Payment) -> Failure | None:
         return Failure(
             stage="payout",
             code=payment.reject_reason or "rejected",
-            message="The rail rejected the payout; the charge was refunded in full.",
+            message="The payout did not reach the beneficiary; the charge was refunded in full.",
         )
     return None

@@ -36,6 +36,8 @@ from app.payments.recovery_points import (
     EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED, STEP_CHARGE, STEP_REFUND, STEP_TRANSFER,
 )
 from app.problems import DUPLICATE_PAYMENT, ProblemError
+from app.workers import ticks
+from app.workers.ticks import RunLease
 
 ENDPOINT = "POST /v1/payments"
 # Every final outcome, good or bad, is a payment resource that now exists, so
@@ -51,8 +53,8 @@ class Operation:
     recovery_point: str
     payment: Payment
     # True when an earlier attempt may already have made this point's external
-    # call (we took the operation over, or an earlier call's outcome was
-    # unknown): the runner then probes before it sends.
+    # call (we took the operation over from a dead owner, or from one that
+    # released it after an unknown outcome): the runner probes before it sends.
     resumed: bool
     # Which attempt this is (1 for the first owner, +1 per takeover).
     attempt: int = 1
@@ -203,7 +205,9 @@ async def record_refund(conn: AsyncConnection, op: Operation, refund: dict[str, 
     return op
 
 
-async def release(conn: AsyncConnection, op: Operation, reason: str, retry_in: float) -> None:
+async def release(
+    conn: AsyncConnection, op: Operation, reason: str, retry_in: float, *, event: str = "outcome unknown, released"
+) -> None:
     """Give the operation up at its current SENT point: the outcome is unknown.
 
     Durable after commit: the same recovery point, no owner, the reason, and
@@ -211,7 +215,7 @@ async def release(conn: AsyncConnection, op: Operation, reason: str, retry_in: f
     once; either probes with the same derived key and carries on. Nothing is
     reported as failed, because nothing is known to have failed.
     """
-    await keys.release(conn, op.lease, reason, retry_in, event="outcome unknown, released")
+    await keys.release(conn, op.lease, reason, retry_in, event=event)
 
 
 async def park(conn: AsyncConnection, op: Operation, reason: str) -> Payment:
@@ -220,11 +224,46 @@ async def park(conn: AsyncConnection, op: Operation, reason: str) -> Payment:
     Durable after commit: the payment is `indeterminate` and the key row is
     parked at its SENT point with no owner. Nobody resumes it blindly from
     here; reconciliation against the external system's records settles it.
-    Crash before commit: the row is merely released, and the next attempt
-    (the last one allowed) parks it.
+    Crash before commit: nothing changed; once the lease runs out the next
+    attempt takes over, probes once more, and parks it if the outcome is
+    still unknown.
     """
     await keys.park(conn, op.lease, reason, event="parked for reconciliation")
     return await payments.update(conn, "indeterminate", op.payment.id)
+
+
+async def settle_parked(
+    conn: AsyncConnection,
+    run: RunLease,
+    client_id: int,
+    key: str,
+    transfer: dict[str, Any],
+    lease_seconds: float,
+) -> Operation | None:
+    """Reconciliation settles a parked payout with what the rail's statement says.
+
+    `transfer` is the outcome learned from the statement: accepted (booked),
+    or rejected with reason `not_on_statement` (absent from final statements).
+    In one transaction: prove the reconciliation run still owns its window,
+    take the parked operation back, and record the outcome exactly as
+    `record_transfer` would have had the rail answered in time.
+    Durable after commit: succeeded and finished (booked), or EXT3_SENT with
+    the refund's key K3 (absent); the runner then refunds.
+    Crash before commit: still parked; the next run settles it.
+    Crash after commit: a booked one is done; an absent one waits at
+    EXT3_SENT, unparked, where the recovery worker resumes the refund.
+    None if the operation is no longer parked (settled by someone else).
+    """
+    await ticks.renew(conn, run, lease_seconds)
+    taken = await keys.unpark(conn, client_id, key, lease_seconds, event="settled by reconciliation")
+    if taken is None:
+        return None
+    lease, attempt = taken
+    row = await keys.load(conn, client_id, key)
+    assert row is not None and row.payment_id is not None
+    payment = await payments.update(conn, "reopened", row.payment_id)
+    op = Operation(lease, row.recovery_point, payment, resumed=True, attempt=attempt)
+    return await record_transfer(conn, op, transfer, lease_seconds)
 
 
 async def _finish(conn: AsyncConnection, op: Operation, final: Payment, change: str, *, event: str, **values: Any) -> Operation:

@@ -54,6 +54,9 @@ class _Step:
     send: Callable[[Services, Operation], Awaitable[CallOutcome]]
     probe: Callable[[Services, Operation], Awaitable[ProbeOutcome]]
     record: Callable[..., Awaitable[Operation]]
+    # Whether the external system deduplicates this call by its key and
+    # answers probes, so that probing and re-sending are safe.
+    repeatable: Callable[[Services, Operation], bool] = lambda s, op: True
 
 
 _STEPS = {
@@ -66,6 +69,7 @@ _STEPS = {
         send=lambda s, op: s.rail.transfer(op.payment.rail_transfer_key, op.payment),
         probe=lambda s, op: s.rail.find_transfer(op.payment.end_to_end_reference),
         record=phases.record_transfer,
+        repeatable=lambda s, op: s.rail.deduplicates(op.payment),
     ),
     EXT3_SENT: _Step(
         send=lambda s, op: s.psp.refund(op.payment.psp_refund_key, op.payment),
@@ -94,7 +98,9 @@ async def drive(services: Services, op: Operation) -> Finished | Pending:
 
 async def _release_after_error(services: Services, op: Operation, exc: BaseException) -> None:
     try:
-        await atomic(services.engine, phases.release, op, f"interrupted: {exc!r}"[:500], 0.0)
+        await atomic(
+            services.engine, phases.release, op, f"interrupted: {exc!r}"[:500], 0.0, event="interrupted, released"
+        )
     except LeaseLost:
         pass  # finished or taken over meanwhile: nothing of ours to release
     except Exception:
@@ -105,9 +111,10 @@ async def _drive(services: Services, op: Operation) -> Finished | Pending:
     crash_at = services.settings.payments_crash_at
     while op.recovery_point != FINISHED:
         step = _STEPS[op.recovery_point]
-        outcome = await _call(services, step, op)
+        repeatable = step.repeatable(services, op)
+        outcome = await _call(services, step, op) if repeatable else await _call_once(services, step, op)
         if isinstance(outcome, Unknown):
-            return await _give_up(services, op, outcome.reason)
+            return await _give_up(services, op, outcome.reason, final=not repeatable)
         crash_points.reached(crash_at, f"after-call-{crash_points.CALL_OF[op.recovery_point]}")
         op = await atomic(services.engine, step.record, op, outcome.record, services.settings.lease_seconds)
         crash_points.reached(crash_at, f"after-commit-{op.recovery_point}")
@@ -115,10 +122,14 @@ async def _drive(services: Services, op: Operation) -> Finished | Pending:
     return Finished(*op.response)
 
 
-async def _give_up(services: Services, op: Operation, reason: str) -> Pending:
-    """Release the operation for a later attempt, or park it after the last one."""
+async def _give_up(services: Services, op: Operation, reason: str, *, final: bool = False) -> Pending:
+    """Release the operation for a later attempt, or park it after the last one.
+
+    `final` parks at once: no later attempt could learn more (a legacy rail
+    can neither be probed nor safely sent the transfer again).
+    """
     settings = services.settings
-    if op.attempt >= settings.max_attempts:
+    if final or op.attempt >= settings.max_attempts:
         payment = await atomic(services.engine, phases.park, op, reason)
         return Pending(payment, reason)
     retry_in = backoff_seconds(op.attempt, settings.backoff_base_seconds, settings.backoff_cap_seconds)
@@ -134,6 +145,17 @@ def backoff_seconds(attempt: int, base: float, cap: float) -> float:
     """
     ceiling = min(cap, base * 2 ** (attempt - 1))
     return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+async def _call_once(services: Services, step: _Step, op: Operation) -> CallOutcome:
+    """A call to a system that cannot deduplicate: at most one send, ever.
+
+    A resumed owner cannot tell whether the dead one sent it (there is no
+    probe), and sending again could pay twice, so it does not send at all.
+    """
+    if op.resumed:
+        return Unknown("the transfer may have been sent and this rail can neither be probed nor deduplicate")
+    return await step.send(services, op)
 
 
 async def _call(services: Services, step: _Step, op: Operation) -> CallOutcome:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from datetime import date
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -31,7 +32,8 @@ _UPDATE = {
     "charged": text(
         """
         UPDATE payment SET psp_charge_id = :charge_id, end_to_end_reference = :e2e,
-                           rail_transfer_key = :transfer_key, updated_at = now()
+                           rail_transfer_key = :transfer_key, payout_instructed_at = now(),
+                           updated_at = now()
          WHERE id = :id RETURNING *
         """
     ),
@@ -61,6 +63,12 @@ _UPDATE = {
          WHERE id = :id RETURNING *
         """
     ),
+    "reopened": text(
+        """
+        UPDATE payment SET status = 'processing', updated_at = now()
+         WHERE id = :id RETURNING *
+        """
+    ),
     "refunded": text(
         """
         UPDATE payment SET status = 'failed', psp_refund_id = :refund_id, updated_at = now()
@@ -68,6 +76,24 @@ _UPDATE = {
         """
     ),
 }
+
+
+# Parked payouts whose instruction was built in [since, until] (UTC days):
+# what a reconciliation window must settle.
+_PARKED_PAYOUTS = text(
+    """
+    SELECT p.*, k.key
+      FROM payment p
+      JOIN idempotency_key k ON k.client_id = p.client_id AND k.payment_id = p.id
+     WHERE p.status = 'indeterminate'
+       AND k.parked_at IS NOT NULL AND k.recovery_point = 'EXT2_SENT'
+       AND p.payout_instructed_at >= CAST(:since AS date)
+       AND p.payout_instructed_at < CAST(:until AS date) + 1
+     ORDER BY p.payout_instructed_at
+    """
+)
+
+_BY_END_TO_END = text("SELECT * FROM payment WHERE end_to_end_reference = ANY(CAST(:refs AS text[]))")
 
 
 async def insert(
@@ -109,6 +135,17 @@ async def get(conn: AsyncConnection, client_id: int, payment_id: uuid.UUID) -> P
     """A payment, only if it belongs to `client_id`."""
     row = (await conn.execute(_BY_ID, dict(id=payment_id, client_id=client_id))).mappings().one_or_none()
     return None if row is None else Payment(**row)
+
+
+async def parked_payouts(conn: AsyncConnection, since: date, until: date) -> list[tuple[Payment, str]]:
+    """(payment, its idempotency key) for each parked payout instructed in the window."""
+    rows = (await conn.execute(_PARKED_PAYOUTS, dict(since=since, until=until))).mappings().all()
+    return [(Payment(**{k: v for k, v in row.items() if k != "key"}), row["key"]) for row in rows]
+
+
+async def by_end_to_end(conn: AsyncConnection, references: list[str]) -> dict[str, Payment]:
+    rows = (await conn.execute(_BY_END_TO_END, dict(refs=references))).mappings().all()
+    return {row["end_to_end_reference"]: Payment(**row) for row in rows}
 
 
 async def update(conn: AsyncConnection, change: str, payment_id: uuid.UUID, **values) -> Payment:

@@ -9,6 +9,7 @@ a derived idempotency key, so sending it again after a crash, a timeout or a
 from __future__ import annotations
 
 import asyncio
+from datetime import date
 from typing import Any
 
 import httpx
@@ -30,15 +31,16 @@ class ExternalService:
         self._timeout = timeout
         self._retries = transient_retries
 
-    async def _send(self, path: str, key: str, body: dict[str, Any]) -> CallOutcome:
-        for attempt in range(self._retries + 1):
+    async def _send(self, path: str, key: str, body: dict[str, Any], *, retries: int | None = None) -> CallOutcome:
+        retries = self._retries if retries is None else retries
+        for attempt in range(retries + 1):
             try:
                 response = await self._http.post(
                     self._base + path, json=body, headers={"Idempotency-Key": key}, timeout=self._timeout
                 )
             except httpx.ConnectError as exc:
                 # The connection was never made, so nothing was sent: retryable.
-                last = Unknown(f"cannot connect to {self._base}: {exc}")
+                last, wait = Unknown(f"cannot connect to {self._base}: {exc}"), 0.1
             except httpx.HTTPError as exc:
                 # A timeout or a connection lost after sending: it may have applied.
                 return Unknown(f"{type(exc).__name__} calling {path}")
@@ -48,7 +50,9 @@ class ExternalService:
                 if response.status_code not in _TRANSIENT:
                     return Unknown(f"HTTP {response.status_code} from {path}: {response.text[:200]}")
                 last = Unknown(f"HTTP {response.status_code} from {path} after {attempt + 1} tries")
-                await asyncio.sleep(_retry_after(response))
+                wait = _retry_after(response)
+            if attempt < retries:
+                await asyncio.sleep(wait)
         return last
 
     async def _probe(self, path: str, params: dict[str, str] | None = None) -> ProbeOutcome:
@@ -96,7 +100,19 @@ class PSP(ExternalService):
 class Rail(ExternalService):
     """External system 2: pays the net amount out to the beneficiary's account."""
 
+    def __init__(self, *args: Any, legacy: bool = False, legacy_accounts: frozenset[str] = frozenset()) -> None:
+        super().__init__(*args)
+        self._legacy = legacy
+        self._legacy_accounts = legacy_accounts
+
+    def deduplicates(self, payment: Payment) -> bool:
+        """Whether sending this payout twice is safe (keys honoured, probes answered)."""
+        return not (self._legacy or payment.beneficiary_iban in self._legacy_accounts)
+
     async def transfer(self, key: str, payment: Payment) -> CallOutcome:
+        # A rail that cannot deduplicate gets exactly one try, even after a 429
+        # or a 503: we cannot be sure those were not applied, and a second
+        # POST there is a second payout.
         return await self._send(
             "/v1/transfers",
             key,
@@ -108,12 +124,23 @@ class Rail(ExternalService):
                 "beneficiary_name": payment.beneficiary_name,
                 "reference": payment.reference,
             },
+            retries=None if self.deduplicates(payment) else 0,
         )
 
     async def find_transfer(self, end_to_end_reference: str) -> ProbeOutcome:
         # The rail is probed by our end-to-end reference, which every payout
         # instruction carries precisely so that this lookup is possible.
         return await self._probe(f"/v1/transfers/{end_to_end_reference}")
+
+    async def statement(self, day: date) -> dict[str, Any] | Unknown:
+        """The rail's statement of transfers booked on `day` (`final` once the day is closed)."""
+        try:
+            response = await self._http.get(f"{self._base}/v1/statements/{day.isoformat()}", timeout=self._timeout)
+        except httpx.HTTPError as exc:
+            return Unknown(f"statement {day}: {type(exc).__name__}")
+        if response.status_code != 200:
+            return Unknown(f"statement {day}: HTTP {response.status_code}")
+        return response.json()
 
 
 def _retry_after(response: httpx.Response) -> float:

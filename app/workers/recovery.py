@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from dataclasses import dataclass
 
-from app.config import Settings
 from app.db.transaction import atomic, read
 from app.idempotency import store as keys
 from app.idempotency.store import LeaseLost
 from app.payments import phases
 from app.payments.runner import Finished, drive
-from app.services import Services, open_services
+from app.services import Services
+from app.workers import pause
 
 log = logging.getLogger(__name__)
 
@@ -78,39 +77,23 @@ async def sweep_once(services: Services) -> SweepCounts:
     return SweepCounts(**{name: results.count(name) for name in ("finished", "pending", "skipped", "errors")})
 
 
-async def run(settings: Settings, stop: asyncio.Event) -> None:
+async def recovery_loop(services: Services, stop: asyncio.Event) -> None:
     """Sweep until `stop` is set; in-flight recoveries are cancelled, which releases their leases."""
-    async with open_services(settings) as services:
-        log.info("recovery worker started")
-        while not stop.is_set():
-            sweep = asyncio.create_task(sweep_once(services))
-            stopping = asyncio.create_task(stop.wait())
-            await asyncio.wait({sweep, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if not sweep.done():
-                # SIGTERM mid-sweep: cancelling makes the runner give back
-                # every lease it holds (see runner.drive) before we exit.
-                sweep.cancel()
-                await asyncio.gather(sweep, return_exceptions=True)
-                break
-            stopping.cancel()
-            counts = sweep.result()
-            if counts.found:
-                log.info("sweep: %s", counts)
-            if counts.found < settings.worker_concurrency * 4:
-                # Nothing more is waiting: rest until the next poll, or stop.
-                try:
-                    await asyncio.wait_for(stop.wait(), settings.worker_poll_seconds)
-                except TimeoutError:
-                    pass
-        log.info("recovery worker stopped")
-
-
-def main(settings: Settings) -> None:
-    async def go() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await run(settings, stop)
-
-    asyncio.run(go())
+    settings = services.settings
+    while not stop.is_set():
+        sweep = asyncio.create_task(sweep_once(services))
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({sweep, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not sweep.done():
+            # SIGTERM mid-sweep: cancelling makes the runner give back
+            # every lease it holds (see runner.drive) before we exit.
+            sweep.cancel()
+            await asyncio.gather(sweep, return_exceptions=True)
+            return
+        stopping.cancel()
+        counts = sweep.result()
+        if counts.found:
+            log.info("sweep: %s", counts)
+        if counts.found < settings.worker_concurrency * 4:
+            # Nothing more is waiting: rest until the next poll, or stop.
+            await pause(stop, settings.worker_poll_seconds)

@@ -44,8 +44,9 @@ DOOMED = {"LEASE_SECONDS": "1"}
 FAST_WORKER = {"WORKER_MIN_AGE_SECONDS": "0", "WORKER_POLL_SECONDS": "0.1", "LEASE_SECONDS": "1"}
 
 
-async def test_every_crash_point_is_covered_by_this_matrix():
-    assert set(LEAVES) == set(POINTS)
+async def test_every_crash_point_on_the_payment_path_is_covered_by_this_matrix():
+    # (The reconciliation job's own crash point is exercised in tests/reconciliation.)
+    assert set(LEAVES) == {point for point in POINTS if not point.startswith("reconcile")}
 
 
 async def until(condition, what: str, timeout: float = 30.0) -> None:

@@ -1,0 +1,38 @@
+"""`payments worker`: the process that runs the background jobs beside the API.
+
+Two loops share one set of services: the recovery sweep (every second or so)
+and the reconciliation schedule (which, every `reconcile_every_seconds`, tries
+to claim yesterday's window; the durable tick makes that once per window across
+all workers). SIGTERM or SIGINT stops both; in-flight work releases its leases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from app.config import Settings
+from app.services import open_services
+from app.workers.reconciliation import reconcile_loop
+from app.workers.recovery import recovery_loop
+
+log = logging.getLogger(__name__)
+
+
+async def run(settings: Settings, stop: asyncio.Event) -> None:
+    async with open_services(settings) as services:
+        log.info("worker started: recovery sweep and reconciliation schedule")
+        await asyncio.gather(recovery_loop(services, stop), reconcile_loop(services, stop))
+        log.info("worker stopped")
+
+
+def main(settings: Settings) -> None:
+    async def go() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await run(settings, stop)
+
+    asyncio.run(go())

@@ -1,0 +1,201 @@
+"""Reconciliation: settle indeterminate payouts against the rail's statements.
+
+When a payout's outcome could not be learned (a legacy rail timed out or lost
+its response, and it can neither be probed nor safely sent again), the payment
+is parked as `indeterminate`. The rail's daily statement is the ground truth
+that settles it, as in seed 000's flow ("still not cancelled -> idempotent
+retry possible? NO -> reconcile"):
+
+    booked once, amount matches         -> Handler3 runs: succeeded, response stored
+    absent, and the statements that
+    could hold it are final             -> the charge is refunded (K3): failed
+    anything that cannot be settled
+    safely                              -> a break, recorded and never auto-corrected
+
+A payout instructed on day I is booked on I's statement, or on the next
+day's if it reached the rail after the cut-off. So it is absent only when
+both statements are final and neither has it.
+
+Each run claims its window with a durable tick (`app.workers.ticks`), so with
+several workers exactly one run happens per window, and settles each payment
+in its own fenced transaction: a run killed halfway leaves every payment
+either settled or still parked, and the next run finishes the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.db.transaction import atomic, read
+from app.idempotency.store import LeaseLost
+from app.payments import crash_points, phases
+from app.payments import store as payments
+from app.payments.models import Payment
+from app.payments.runner import drive
+from app.rails.outcomes import Unknown
+from app.services import Services
+from app.workers import pause, ticks
+from app.workers.ticks import RunLease
+
+log = logging.getLogger(__name__)
+
+JOB = "reconcile-rail"
+ONE_DAY = timedelta(days=1)
+
+_INSERT_BREAK = text(
+    """
+    INSERT INTO reconciliation_break (window_start, kind, end_to_end_reference, payment_id, details)
+    VALUES (:window_start, :kind, :e2e, :payment_id, CAST(:details AS jsonb))
+    ON CONFLICT (kind, end_to_end_reference) DO NOTHING
+    """
+)
+_BREAKS = text("SELECT * FROM reconciliation_break ORDER BY detected_at, id")
+
+
+@dataclass(frozen=True)
+class Break:
+    kind: str
+    end_to_end_reference: str
+    payment_id: Any
+    details: dict[str, Any]
+
+
+class StatementUnavailable(Exception):
+    """The rail did not give us a statement; the run fails and is retried."""
+
+
+def yesterday() -> date:
+    return datetime.now(UTC).date() - ONE_DAY
+
+
+async def run_window(services: Services, window: date) -> dict[str, Any] | None:
+    """Claim and run the window; its counts, or None if someone else has (or had) it."""
+    settings = services.settings
+    run = await atomic(services.engine, ticks.claim, JOB, window, settings.reconcile_lease_seconds)
+    if run is None:
+        return None
+    log.info("reconciling %s (attempt %s)", window, run.attempt)
+    try:
+        counts = await _reconcile(services, run)
+    except LeaseLost:
+        raise  # another run owns the window now; it records the outcome
+    except BaseException as exc:
+        await atomic(services.engine, ticks.fail, run, repr(exc)[:500])
+        raise
+    await atomic(services.engine, ticks.finish, run, counts)
+    log.info("reconciled %s: %s", window, counts)
+    return counts
+
+
+async def _reconcile(services: Services, run: RunLease) -> dict[str, Any]:
+    window = run.window_start
+    lease_seconds = services.settings.reconcile_lease_seconds
+    # Payouts instructed the day before may have been booked on this window's
+    # statement (after the cut-off), so they are candidates too.
+    parked = await read(services.engine, payments.parked_payouts, window - ONE_DAY, window)
+    days = {window} | {d for p, _ in parked for d in _booking_days(p)}
+    statements = {day: await _statement(services, day) for day in sorted(days)}
+
+    booked: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for statement in statements.values():
+        for entry in statement["entries"]:
+            booked[entry["end_to_end_reference"]].append(entry)
+    ours = await read(services.engine, payments.by_end_to_end, list(booked))
+    breaks = [b for ref, entries in booked.items() if (b := _break_for(ref, entries, ours.get(ref)))]
+    if breaks:
+        await atomic(services.engine, _record_breaks, run, breaks, lease_seconds)
+
+    counts: Counter[str] = Counter(entries=sum(len(e) for e in booked.values()), breaks=len(breaks))
+    broken = {b.end_to_end_reference for b in breaks}
+    for payment, key in parked:
+        ref = payment.end_to_end_reference
+        entries = booked.get(ref, [])
+        if ref in broken:
+            counts["left_for_a_person"] += 1
+            continue
+        if entries:
+            outcome = {"id": entries[0]["transfer_id"], "status": "accepted", "settled_by": "statement"}
+        elif all(statements[d]["final"] for d in _booking_days(payment)):
+            outcome = {"id": None, "status": "rejected", "reject_reason": "not_on_statement"}
+        else:
+            counts["not_yet_decidable"] += 1
+            continue
+        op = await atomic(
+            services.engine, phases.settle_parked, run, payment.client_id, key, outcome, lease_seconds
+        )
+        if op is None:
+            continue
+        counts["settled_succeeded" if entries else "settled_refunding"] += 1
+        crash_points.reached(services.settings.payments_crash_at, "reconcile-after-settlement")
+        if not entries:
+            # The refund is an ordinary EXT3 step now; if it cannot finish
+            # here, the recovery worker will, exactly once, by K3.
+            await drive(services, op)
+    return dict(counts)
+
+
+def _booking_days(payment: Payment) -> tuple[date, date]:
+    assert payment.payout_instructed_at is not None
+    instructed = payment.payout_instructed_at.astimezone(UTC).date()
+    return instructed, instructed + ONE_DAY
+
+
+async def _statement(services: Services, day: date) -> dict[str, Any]:
+    statement = await services.rail.statement(day)
+    if isinstance(statement, Unknown):
+        raise StatementUnavailable(statement.reason)
+    return statement
+
+
+def _break_for(ref: str, entries: list[dict[str, Any]], payment: Payment | None) -> Break | None:
+    """What, if anything, cannot be settled safely about these bookings of `ref`."""
+    if payment is None:
+        return Break("unmatched_transfer", ref, None, {"entries": entries})
+    if len(entries) > 1:
+        return Break("duplicate_booking", ref, payment.id, {"entries": entries})
+    [entry] = entries
+    if (entry["amount"], entry["currency"]) != (payment.net_minor, payment.currency):
+        return Break(
+            "amount_mismatch", ref, payment.id,
+            {"entry": entry, "expected": {"amount": payment.net_minor, "currency": payment.currency}},
+        )
+    return None
+
+
+async def _record_breaks(conn: AsyncConnection, run: RunLease, breaks: list[Break], lease_seconds: float) -> None:
+    await ticks.renew(conn, run, lease_seconds)
+    for b in breaks:
+        await conn.execute(
+            _INSERT_BREAK,
+            dict(window_start=run.window_start, kind=b.kind, e2e=b.end_to_end_reference,
+                 payment_id=b.payment_id, details=json.dumps(b.details, default=str)),
+        )
+
+
+async def list_breaks(conn: AsyncConnection) -> list[dict[str, Any]]:
+    return [dict(r) for r in (await conn.execute(_BREAKS)).mappings().all()]
+
+
+async def reconcile_loop(services: Services, stop: asyncio.Event) -> None:
+    """Inside `payments worker`: keep trying to claim yesterday's window.
+
+    Most tries find the window finished (or held by another worker) and cost
+    one INSERT that conflicts. A failed run is retried on the next try.
+    """
+    while not stop.is_set():
+        try:
+            await run_window(services, yesterday())
+        except (StatementUnavailable, LeaseLost) as exc:
+            log.warning("reconciliation did not complete: %s", exc)
+        except Exception:
+            log.exception("reconciliation failed; the window will be retried")
+        await pause(stop, services.settings.reconcile_every_seconds)
