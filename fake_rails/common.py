@@ -6,7 +6,8 @@ matter to a caller trying to move money exactly once:
 * every POST carries an `Idempotency-Key`; the first request with a key is
   recorded together with the answer it got, and every later request with that
   key gets the same answer back (`Idempotent-Replayed: true`), or a 422 if its
-  body differs;
+  body differs (the rail's legacy mode is the deliberate exception: it
+  ignores keys, as real legacy rails do);
 * records live in PostgreSQL, so a restarted fake still knows every key;
 * a fault plan, set over HTTP, makes the next matching calls fail the way real
   networks and providers fail (see docs/fake-rails.md).
@@ -192,15 +193,23 @@ class Attempt:
     INSERT ... ON CONFLICT DO NOTHING makes a request that raced past
     `replay()` wait for the first one to commit, insert nothing, and replay
     the first one's answer.
+
+    `key` is None when the service does not honour keys for this request (the
+    rail's legacy mode): then nothing is ever replayed, every `record()`
+    inserts a new row with a NULL `idempotency_key` (NULLs never conflict),
+    and `presented_key` still holds whatever key the caller sent.
     """
 
     conn: asyncpg.Connection
     table: str
-    key: str
+    key: str | None
     request_hash: str
     fault: Fault | None
+    presented_key: str | None = None
 
     async def replay(self) -> Outcome | None:
+        if self.key is None:
+            return None
         row = await self.conn.fetchrow(
             f"SELECT request_hash, status_code, response FROM {self.table} "
             "WHERE idempotency_key = $1",
@@ -356,14 +365,21 @@ async def idempotent_post(
     table: str,
     body: BaseModel,
     handle: Callable[[Attempt], Awaitable[Outcome]],
+    *,
+    honour_key: bool = True,
 ) -> JSONResponse:
     """The shape of every POST: key check, fault, `handle`, fault, answer.
 
     `handle` runs in one transaction and applies the business faults
     (decline, reject) itself; the transport faults are applied here.
+
+    With `honour_key=False` (a legacy rail) the `Idempotency-Key` is optional
+    and ignored: `handle` gets an Attempt whose `key` is None and whose
+    `presented_key` is the header, if any, so every request creates a record.
     """
-    key = request.headers.get("Idempotency-Key")
-    if not key:
+    presented = request.headers.get("Idempotency-Key")
+    key = presented if honour_key else None
+    if honour_key and not key:
         raise Problem(
             400, "idempotency-key-missing", "Idempotency-Key required",
             "every POST needs an Idempotency-Key header",
@@ -385,7 +401,7 @@ async def idempotent_post(
     # Hashing the validated body makes an omitted optional field equal to null.
     req_hash = request_hash(body.model_dump(mode="json"))
     async with request.app.state.pool.acquire() as conn, conn.transaction():
-        attempt = Attempt(conn, table, key, req_hash, fault)
+        attempt = Attempt(conn, table, key, req_hash, fault, presented_key=presented)
         outcome = await handle(attempt)
 
     # Committed by now: what follows loses or delays the answer, not the record.
@@ -425,28 +441,38 @@ async def list_items(pool: asyncpg.Pool, table: str, reference: str | None) -> d
     return {"items": [r["response"] for r in rows]}
 
 
+def database_url_or_exit(database_url: str | None) -> str:
+    """The `--database-url` of a fake, else its environment default; exit 2 if none."""
+    url = (
+        database_url
+        or os.environ.get("FAKE_RAILS_DATABASE_URL")
+        or os.environ.get("DATABASE_URL")
+    )
+    if not url:
+        typer.echo(
+            "error: no database; pass --database-url or set "
+            "FAKE_RAILS_DATABASE_URL or DATABASE_URL",
+            err=True,
+        )
+        raise typer.Exit(2)
+    return url
+
+
+def serve_app(app: FastAPI, host: str, port: int) -> None:
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
+DATABASE_URL_HELP = "PostgreSQL URL; default: env FAKE_RAILS_DATABASE_URL, else DATABASE_URL."
+
+
 def run_cli(create_app: Callable[[str], FastAPI], default_port: int) -> None:
     """`main()` of a fake: serve `create_app(database_url)` with uvicorn."""
 
     def serve(
         port: int = typer.Option(default_port, help="Port to listen on."),
         host: str = typer.Option("127.0.0.1", help="Interface to bind."),
-        database_url: str | None = typer.Option(
-            None, help="PostgreSQL URL; default: env FAKE_RAILS_DATABASE_URL, else DATABASE_URL."
-        ),
+        database_url: str | None = typer.Option(None, help=DATABASE_URL_HELP),
     ) -> None:
-        url = (
-            database_url
-            or os.environ.get("FAKE_RAILS_DATABASE_URL")
-            or os.environ.get("DATABASE_URL")
-        )
-        if not url:
-            typer.echo(
-                "error: no database; pass --database-url or set "
-                "FAKE_RAILS_DATABASE_URL or DATABASE_URL",
-                err=True,
-            )
-            raise typer.Exit(2)
-        uvicorn.run(create_app(url), host=host, port=port, log_level="warning", access_log=False)
+        serve_app(create_app(database_url_or_exit(database_url)), host, port)
 
     typer.run(serve)

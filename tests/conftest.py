@@ -33,6 +33,7 @@ from app.cli import migrate_database
 from app.config import libpq_url
 
 TEST_DATABASE = f"payments_test_{os.getpid()}"
+LEGACY_IBAN = "GB82WEST12345698765432"  # payouts to this account go over the legacy path
 BIN = Path(sys.executable).parent
 
 
@@ -133,6 +134,7 @@ def api_env(database_url: str, psp: Process, rail: Process, **overrides: str) ->
         # long enough for a loaded 2-core machine.
         "PSP_TIMEOUT_SECONDS": "2",
         "RAIL_TIMEOUT_SECONDS": "2",
+        "RAIL_LEGACY_ACCOUNTS": LEGACY_IBAN,
         **overrides,
     }
 
@@ -144,7 +146,9 @@ def stack(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     psp = Process("fake-psp", [], env, free_port(), logs / "psp.log")
     psp.argv = [str(BIN / "fake-psp"), "--port", str(psp.port)]
     rail = Process("fake-rail", [], env, free_port(), logs / "rail.log")
-    rail.argv = [str(BIN / "fake-rail"), "--port", str(rail.port)]
+    # One beneficiary bank behind the rail is legacy (no keys, no probes), as
+    # in real life; the cut-off is off so no test depends on the hour it runs.
+    rail.argv = [str(BIN / "fake-rail"), "--port", str(rail.port), "--legacy-accounts", LEGACY_IBAN, "--cutoff", "24:00"]
     apis = []
     for name in ("api-a", "api-b"):
         port = free_port()
@@ -186,7 +190,7 @@ async def clean(stack: Stack, db: asyncpg.Connection) -> None:
     """Empty tables and fault plans; autouse in integration/ and crash/."""
     await db.execute(
         "TRUNCATE reconciliation_break, scheduled_run, ledger_entry, idempotency_key, payment, client, "
-        "fake_psp.charge, fake_psp.refund, fake_rail.transfer"
+        "fake_psp.charge, fake_psp.refund, fake_rail.transfer, fake_rail.closed_day"
     )
     async with httpx.AsyncClient() as client:
         for rail in (stack.psp, stack.rail):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, time as clock, timedelta, timezone
 
 import asyncpg
 import httpx
@@ -41,9 +41,31 @@ async def psp(rails_db_url: str):
         yield client
 
 
+# No cut-off: what day a transfer is booked on must not depend on the hour
+# the suite runs at. The cut-off is tested on booking_date_for directly.
 @pytest.fixture(scope="module")
 async def rail(rails_db_url: str):
-    async for client in _serve(rail_module.create_app(rails_db_url), "http://fake-rail"):
+    app = rail_module.create_app(rails_db_url, cutoff=None)
+    async for client in _serve(app, "http://fake-rail"):
+        yield client
+
+
+LEGACY_IBAN = "GB33BUKB20201555555555"  # an old bank behind the rail
+
+
+@pytest.fixture
+async def legacy_rail(rails_db_url: str):
+    """A whole rail in legacy mode (`fake-rail --legacy`)."""
+    app = rail_module.create_app(rails_db_url, legacy=True, cutoff=None)
+    async for client in _serve(app, "http://legacy-rail"):
+        yield client
+
+
+@pytest.fixture
+async def account_rail(rails_db_url: str):
+    """A rail where only transfers to LEGACY_IBAN are legacy (`--legacy-accounts`)."""
+    app = rail_module.create_app(rails_db_url, legacy_accounts={LEGACY_IBAN}, cutoff=None)
+    async for client in _serve(app, "http://account-rail"):
         yield client
 
 
@@ -56,9 +78,15 @@ async def db(rails_db_url: str, psp, rail):  # the apps create the tables
 
 @pytest.fixture(autouse=True)
 async def clean(db, psp, rail):
-    await db.execute("TRUNCATE fake_psp.charge, fake_psp.refund, fake_rail.transfer")
+    await db.execute(
+        "TRUNCATE fake_psp.charge, fake_psp.refund, fake_rail.transfer, fake_rail.closed_day"
+    )
     await psp.delete("/_admin/faults")
     await rail.delete("/_admin/faults")
+    yield
+    # A closed today would move the bookings of every later test, in this
+    # session's other rails too (they share the database).
+    await db.execute("TRUNCATE fake_rail.closed_day")
 
 
 def charge_body(reference: str = "order-1", **overrides) -> dict:
@@ -444,3 +472,259 @@ async def test_concurrent_refunds_with_different_keys_cannot_overdraw_a_charge(p
 
     assert sorted(r.status_code for r in responses) == [201] * 3 + [409] * 7
     assert await db.fetchval("SELECT sum(amount) FROM fake_psp.refund") == 90
+
+
+# --- Legacy mode --------------------------------------------------------------
+
+
+async def test_a_legacy_rail_creates_a_transfer_for_every_post_even_with_one_key(
+    legacy_rail, db
+):
+    first = await post(legacy_rail, "/v1/transfers", transfer_body(), "k1")
+    second = await post(legacy_rail, "/v1/transfers", transfer_body(), "k1")
+    keyless = await legacy_rail.post("/v1/transfers", json=transfer_body())
+
+    assert first.status_code == second.status_code == keyless.status_code == 201
+    assert not any("Idempotent-Replayed" in r.headers for r in (first, second, keyless))
+    assert first.json()["id"] != second.json()["id"]
+    assert first.json()["legacy"] is True and first.json()["idempotency_key"] is None
+    stored = await rows(db, "fake_rail.transfer")
+    assert [(r["id"], r["legacy"], r["idempotency_key"], r["presented_key"]) for r in stored] == [
+        (first.json()["id"], True, None, "k1"),
+        (second.json()["id"], True, None, "k1"),
+        (keyless.json()["id"], True, None, None),
+    ]
+    assert {r["end_to_end_reference"] for r in stored} == {"E2E-payout-1"}
+
+
+async def test_per_account_legacy_applies_only_to_the_listed_iban(account_rail, db):
+    old_bank = transfer_body("old", beneficiary_iban=LEGACY_IBAN)
+    new_bank = transfer_body("new")
+
+    legacy = [await post(account_rail, "/v1/transfers", old_bank, "k1") for _ in range(2)]
+    modern = [await post(account_rail, "/v1/transfers", new_bank, "k2") for _ in range(2)]
+    keyless_old = await account_rail.post("/v1/transfers", json=old_bank)
+    keyless_new = await account_rail.post("/v1/transfers", json=new_bank)
+
+    assert [r.json()["legacy"] for r in legacy + modern] == [True, True, False, False]
+    assert modern[1].headers["Idempotent-Replayed"] == "true"
+    assert modern[1].json() == modern[0].json()
+    assert keyless_old.status_code == 201 and keyless_new.status_code == 400
+    stored = await rows(db, "fake_rail.transfer")
+    assert [(r["reference"], r["legacy"], r["idempotency_key"], r["presented_key"]) for r in stored] == [
+        ("old", True, None, "k1"),
+        ("old", True, None, "k1"),
+        ("new", False, "k2", "k2"),
+        ("old", True, None, None),
+    ]
+    config = (await account_rail.get("/_admin/config")).json()
+    assert config == {"legacy": False, "legacy_accounts": [LEGACY_IBAN], "cutoff": None}
+
+
+async def test_a_legacy_transfer_cannot_be_probed_per_account_404_whole_rail_501(
+    account_rail, legacy_rail, db
+):
+    await post(account_rail, "/v1/transfers", transfer_body("old", beneficiary_iban=LEGACY_IBAN), "k1")
+    modern = await post(account_rail, "/v1/transfers", transfer_body("new"), "k2")
+    await post(legacy_rail, "/v1/transfers", transfer_body("whole"), "k3")
+
+    hidden = await account_rail.get("/v1/transfers/E2E-old")
+    found = await account_rail.get("/v1/transfers/E2E-new")
+    no_probe = await legacy_rail.get("/v1/transfers/E2E-whole")
+
+    assert len(await rows(db, "fake_rail.transfer")) == 3  # all three exist
+    assert hidden.status_code == 404 and hidden.json()["type"].endswith("/not-found")
+    assert found.status_code == 200 and found.json() == modern.json()
+    assert no_probe.status_code == 501 and no_probe.headers["content-type"] == PROBLEM
+    assert no_probe.json()["type"].endswith("/no-status-probe")
+    assert no_probe.json()["detail"] == "no status probe on a legacy rail"
+    assert (await legacy_rail.get("/_admin/config")).json()["legacy"] is True
+
+
+async def test_a_lost_response_on_a_legacy_rail_then_a_retry_pays_twice(legacy_rail, db):
+    await set_faults(legacy_rail, {"action": "error_after"})
+
+    lost = await post(legacy_rail, "/v1/transfers", transfer_body(), "k1")
+    retry = await post(legacy_rail, "/v1/transfers", transfer_body(), "k1")
+
+    assert lost.status_code == 500 and retry.status_code == 201
+    stored = await rows(db, "fake_rail.transfer")
+    assert [(r["status"], r["presented_key"]) for r in stored] == [
+        ("accepted", "k1"),
+        ("accepted", "k1"),
+    ]
+
+
+async def test_a_legacy_duplicate_appears_twice_on_the_statement(legacy_rail, db):
+    first = await post(legacy_rail, "/v1/transfers", transfer_body(), "k1")
+    second = await post(legacy_rail, "/v1/transfers", transfer_body(), "k1")
+
+    statement = (await legacy_rail.get(f"/v1/statements/{utc_today()}")).json()
+
+    assert [(e["transfer_id"], e["end_to_end_reference"]) for e in statement["entries"]] == [
+        (first.json()["id"], "E2E-payout-1"),
+        (second.json()["id"], "E2E-payout-1"),
+    ]
+    assert [r["booking_date"] for r in await rows(db, "fake_rail.transfer")] == [utc_today()] * 2
+
+
+# --- Booking: cut-off and closed days -----------------------------------------
+
+
+def close_day(rail, day) -> httpx.Response:
+    return rail.post("/_admin/close-day", json={"date": str(day)})
+
+
+async def test_closing_today_books_new_transfers_tomorrow_and_makes_today_final(
+    rail, db, rails_db_url
+):
+    today = utc_today()
+    tomorrow = today + timedelta(days=1)
+    before = await post(rail, "/v1/transfers", transfer_body("before"), "k1")
+
+    closed = await close_day(rail, today)
+    after = await post(rail, "/v1/transfers", transfer_body("after"), "k2")
+
+    assert closed.status_code == 200 and closed.json()["date"] == today.isoformat()
+    stored = await rows(db, "fake_rail.transfer")
+    assert [(r["reference"], r["booking_date"], r["value_date"]) for r in stored] == [
+        ("before", today, today),
+        ("after", tomorrow, tomorrow),
+    ]
+    assert after.json()["booking_date"] == tomorrow.isoformat()
+    today_statement = (await rail.get(f"/v1/statements/{today}")).json()
+    tomorrow_statement = (await rail.get(f"/v1/statements/{tomorrow}")).json()
+    assert today_statement["final"] is True
+    assert [e["transfer_id"] for e in today_statement["entries"]] == [before.json()["id"]]
+    assert tomorrow_statement["final"] is False
+    assert [e["transfer_id"] for e in tomorrow_statement["entries"]] == [after.json()["id"]]
+    assert [d["date"] for d in (await rail.get("/_admin/closed-days")).json()["items"]] == [
+        today.isoformat()
+    ]
+    assert await db.fetchval("SELECT day FROM fake_rail.closed_day") == today
+    # Stored in PostgreSQL: a restarted rail still knows the day is closed.
+    async for restarted in _serve(rail_module.create_app(rails_db_url, cutoff=None), "http://r"):
+        assert (await restarted.get(f"/v1/statements/{today}")).json()["final"] is True
+
+
+async def test_a_closed_days_statement_does_not_change_after_more_transfers(rail, account_rail, db):
+    today = utc_today()
+    await post(rail, "/v1/transfers", transfer_body("a"), "k1")
+    await close_day(rail, today)
+    closed = (await rail.get(f"/v1/statements/{today}")).json()
+
+    await post(rail, "/v1/transfers", transfer_body("b"), "k2")
+    await post(account_rail, "/v1/transfers", transfer_body("c", beneficiary_iban=LEGACY_IBAN), "k3")
+    await post(rail, "/v1/transfers", transfer_body("a"), "k1")  # a replay
+    later = (await rail.get(f"/v1/statements/{today}")).json()
+
+    assert later == closed
+    assert closed["final"] is True and len(closed["entries"]) == 1
+    assert [r["booking_date"] for r in await rows(db, "fake_rail.transfer")] == [
+        today,
+        today + timedelta(days=1),
+        today + timedelta(days=1),
+    ]
+
+
+async def test_closing_a_day_is_idempotent_and_closing_a_future_day_moves_the_calendar_on(rail, db):
+    today = utc_today()
+
+    too_far = await close_day(rail, today + timedelta(days=32))
+    malformed = await rail.post("/_admin/close-day", json={"date": "tomorrow"})
+    first = await close_day(rail, today - timedelta(days=3))
+    again = await close_day(rail, today - timedelta(days=3))
+
+    assert too_far.status_code == 400 and too_far.headers["content-type"] == PROBLEM
+    assert too_far.json()["type"].endswith("/future-day")
+    assert malformed.status_code == 400 and malformed.json()["type"].endswith("/invalid-date")
+    assert first.status_code == again.status_code == 200 and again.json() == first.json()
+    assert [r["day"] for r in await db.fetch("SELECT day FROM fake_rail.closed_day")] == [
+        today - timedelta(days=3)
+    ]
+
+    assert (await close_day(rail, today + timedelta(days=2))).status_code == 200
+    closed = [r["day"] for r in await db.fetch("SELECT day FROM fake_rail.closed_day ORDER BY day")]
+    assert closed == [today - timedelta(days=3), today, today + timedelta(days=1), today + timedelta(days=2)]
+    statement = (await rail.get(f"/v1/statements/{today + timedelta(days=1)}")).json()
+    assert statement["final"] is True
+
+
+def at(hh_mm: str, day: str = "2025-01-02", tz=UTC) -> datetime:
+    return datetime.fromisoformat(f"{day}T{hh_mm}:00").replace(tzinfo=tz)
+
+
+@pytest.mark.parametrize(
+    ("accepted_at", "closed_days", "cutoff", "booked"),
+    [
+        (at("10:00"), set(), clock(23, 0), "2025-01-02"),
+        (at("22:59"), set(), clock(23, 0), "2025-01-02"),
+        (at("23:00"), set(), clock(23, 0), "2025-01-03"),  # at the cut-off: next day
+        (at("23:59"), set(), clock(23, 0), "2025-01-03"),
+        (at("23:59"), set(), None, "2025-01-02"),  # no cut-off
+        (at("00:00"), set(), clock(0, 0), "2025-01-03"),  # a 00:00 cut-off: always next day
+        (at("10:00"), {date(2025, 1, 2)}, clock(23, 0), "2025-01-03"),  # today closed
+        # After the cut-off, and the next two days closed too.
+        (at("23:30"), {date(2025, 1, 3), date(2025, 1, 4)}, clock(23, 0), "2025-01-05"),
+        (at("10:00"), {date(2025, 1, 1)}, clock(23, 0), "2025-01-02"),  # past closures irrelevant
+        # 00:30 at UTC+2 is 22:30 UTC the day before: before the cut-off.
+        (at("00:30", tz=timezone(timedelta(hours=2))), set(), clock(23, 0), "2025-01-01"),
+        (at("01:30", tz=timezone(timedelta(hours=2))), set(), clock(23, 0), "2025-01-02"),
+    ],
+)
+def test_booking_date_for_applies_the_cutoff_and_skips_closed_days(
+    accepted_at, closed_days, cutoff, booked
+):
+    assert rail_module.booking_date_for(accepted_at, closed_days, cutoff) == date.fromisoformat(booked)
+
+
+def test_the_cutoff_option_takes_hh_mm_or_24_00_for_none():
+    assert rail_module.parse_cutoff("17:30") == clock(17, 30)
+    assert rail_module.parse_cutoff("24:00") is None
+    for bad in ["25:00", "7:30", "17:30:00", "noon"]:
+        with pytest.raises(ValueError):
+            rail_module.parse_cutoff(bad)
+
+
+async def test_the_default_cutoff_is_23_00_utc(rails_db_url):
+    async for default in _serve(rail_module.create_app(rails_db_url), "http://default-rail"):
+        config = (await default.get("/_admin/config")).json()
+    assert config == {"legacy": False, "legacy_accounts": [], "cutoff": "23:00"}
+
+
+async def test_a_transfer_whose_caller_timed_out_or_lost_the_answer_is_on_the_statement(rail, db):
+    await set_faults(
+        rail,
+        {"action": "hang_after", "reference": "hung", "seconds": 30},
+        {"action": "error_after", "reference": "lost"},
+    )
+
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(post(rail, "/v1/transfers", transfer_body("hung"), "k1"), timeout=0.5)
+    lost = await post(rail, "/v1/transfers", transfer_body("lost"), "k2")
+    statement = (await rail.get(f"/v1/statements/{utc_today()}")).json()
+
+    assert lost.status_code == 500
+    stored = await rows(db, "fake_rail.transfer")
+    assert [(r["reference"], r["status"], r["booking_date"]) for r in stored] == [
+        ("hung", "accepted", utc_today()),
+        ("lost", "accepted", utc_today()),
+    ]
+    assert [e["transfer_id"] for e in statement["entries"]] == [r["id"] for r in stored]
+
+
+
+async def test_closing_a_day_waits_for_the_transfers_being_booked(rail, rails_db_url):
+    # A booking in flight: the lock a transfer holds from reading the closed
+    # days until it commits. The close must wait for it, or that transfer
+    # could land on the day after it was closed.
+    booking = await asyncpg.connect(asyncpg_dsn(rails_db_url))
+    try:
+        async with booking.transaction():
+            await booking.execute(rail_module.BOOKING_LOCK.format("_shared"))
+            closing = asyncio.create_task(close_day(rail, utc_today()))
+            await asyncio.sleep(0.3)
+            assert not closing.done()
+        assert (await asyncio.wait_for(closing, 5)).status_code == 200
+    finally:
+        await booking.close()
