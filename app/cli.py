@@ -125,8 +125,6 @@ def reconcile(
 @cli.command()
 def breaks() -> None:
     """List reconciliation breaks: what could not be settled safely, for a person to look at."""
-    from rich.table import Table
-
     from app.config import asyncpg_url
     from app.db.transaction import read
     from app.workers import reconciliation
@@ -143,13 +141,15 @@ def breaks() -> None:
     if not rows:
         console.print("no breaks")
         return
-    table = Table("detected", "window", "kind", "end-to-end reference", "payment", "details")
+    # One block per break rather than a table: the end-to-end reference and
+    # the details must stay whole and greppable at any terminal width.
     for r in rows:
-        table.add_row(
-            f"{r['detected_at']:%Y-%m-%d %H:%M:%S}", str(r["window_start"]), r["kind"],
-            r["end_to_end_reference"], str(r["payment_id"] or "-"), str(r["details"])[:80],
+        console.print(
+            f"[bold]{r['kind']}[/]  {r['end_to_end_reference']}  payment {r['payment_id'] or '(none of ours)'}"
+            f"  window {r['window_start']}  detected {r['detected_at']:%Y-%m-%d %H:%M:%S}",
+            soft_wrap=True,
         )
-    console.print(table)
+        console.print(f"    {r['details']}", soft_wrap=True, markup=False, highlight=False)
 
 
 @cli.command("crash-points")

@@ -14,6 +14,7 @@ empty tables and an empty fault plan (`clean`). Unit tests need none of it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -250,6 +251,16 @@ class Processes:
         )
         self.started.append(process)
         return process.popen
+
+    async def cli(self, *args: str, **env: str) -> tuple[int, str]:
+        """Run `payments <args>` to completion; its exit code and output."""
+        process = await asyncio.create_subprocess_exec(
+            str(BIN / "payments"), *args,
+            env=api_env(self.database_url, self.stack.psp, self.stack.rail, **env),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )
+        output, _ = await process.communicate()
+        return process.returncode, output.decode()
 
     def stop_all(self) -> None:
         for process in self.started:
