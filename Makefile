@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test bench lock clean
+.PHONY: install run test bench lock clean demo-crash demo-crash-all demo-client-bug
 
 install: $(STAMP)
 
@@ -29,6 +29,26 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# Kill-between-phases demos (docs/client.md): real processes on free ports, in a
+# database of their own (payments_demo), so they run alongside `make run`.
+#   make demo-crash POINT=after-call-EXT1 [MODE=retry|worker]
+POINT ?=
+MODE  ?= retry
+
+demo-crash: $(STAMP)
+	@if [ -z "$(POINT)" ]; then \
+	  echo "usage: make demo-crash POINT=<point> [MODE=retry|worker]; the points:"; \
+	  $(BIN)/payments crash-points --explain; \
+	  exit 2; \
+	fi
+	$(BIN)/python -m demos.crash --point "$(POINT)" --mode "$(MODE)"
+
+demo-crash-all: $(STAMP)
+	$(BIN)/python -m demos.crash_all --mode "$(MODE)"
+
+demo-client-bug: $(STAMP)
+	$(BIN)/python -m demos.client_bug
 
 # Re-pin every dependency after editing pyproject.toml.
 lock: $(STAMP)

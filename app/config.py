@@ -45,7 +45,10 @@ class Settings(BaseSettings):
     # A lease must outlast the slowest phase plus its external call, or a live
     # owner would be taken over while it is still working (it would then be
     # fenced off, so this costs time, never money).
-    lease_seconds: float = Field(default=60.0, gt=0)
+    # 30 s covers the slowest phase: a 5 s call, two inline retries and a 5 s
+    # probe. A client should keep retrying for longer than this (the shipped
+    # payments_client does), or it may give up just before a takeover.
+    lease_seconds: float = Field(default=30.0, gt=0)
     # How long one external call may take before its outcome counts as unknown.
     psp_timeout_seconds: float = Field(default=5.0, gt=0)
     rail_timeout_seconds: float = Field(default=5.0, gt=0)

@@ -6,13 +6,17 @@ response, exactly what a SIGKILL or a power cut would leave. The point is read
 from the environment once, at start-up; nothing in a request can choose or
 trigger one.
 
-The points cover every gap between durable facts, for each external step N:
+The points cover every gap between durable facts on a payment's path, for
+each external step N:
 
     after-commit-<point>  a phase committed recovery point <point>; the next
                           external call has not been made (for a SENT point)
                           or the response has not been sent (for finished)
     after-call-EXTN       external call N was applied; its outcome is not yet
                           committed (the "debited, then crashed" case)
+
+and one inside the reconciliation job (`payments reconcile`), which no
+payment request reaches: reconcile-after-settlement.
 """
 
 from __future__ import annotations

@@ -1,0 +1,25 @@
+"""A small client for the payments API that behaves the way the seed asks.
+
+    from payments_client import PaymentsClient
+
+    with PaymentsClient("http://127.0.0.1:8000", api_key, store=Path("payments-client.json")) as client:
+        payment = client.pay("order-1001", {"amount": 1250, "currency": "EUR", ...})
+
+The server makes a retried request safe only if the retry carries the same
+Idempotency-Key as the attempt it repeats. Getting that right is the client's
+job, and it is where clients usually fail: `client.py` explains each rule and
+the failure it prevents, `store.py` why the key is written to disk before the
+first attempt, and `buggy.py` is the counter-example (a fresh key per retry).
+docs/client.md has the whole story and the demos that exercise it.
+"""
+
+from payments_client.buggy import buggy_pay
+from payments_client.client import (
+    Event, PaymentsClient, PaymentsError, ProblemError, RetriesExhausted, StillProcessing,
+)
+from payments_client.store import OperationStore
+
+__all__ = [
+    "Event", "OperationStore", "PaymentsClient", "PaymentsError", "ProblemError", "RetriesExhausted",
+    "StillProcessing", "buggy_pay",
+]
