@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
+from httpx_aiohttp import AiohttpTransport
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import Settings
@@ -30,8 +31,11 @@ class Services:
 async def open_services(settings: Settings) -> AsyncIterator[Services]:
     engine = build_engine(settings)
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=100)
+    # httpx's interface over aiohttp's connection handling: the same calls and
+    # exceptions, at a fraction of the CPU per request (see docs/performance.md).
+    transport = AiohttpTransport(limits=limits)
     try:
-        async with httpx.AsyncClient(limits=limits) as http:
+        async with httpx.AsyncClient(transport=transport) as http:
             yield Services(
                 settings=settings,
                 engine=engine,
