@@ -5,7 +5,8 @@ statements and returns a value; it never begins, commits or rolls back.
 `atomic` gives it a connection inside a transaction and commits only if the
 function returns. Any exception, including a lost lease (`LeaseLost`), rolls
 back everything the phase wrote, so a phase either happened completely,
-together with its recovery point, or not at all.
+together with its recovery point, or not at all. `one_statement` runs a phase
+that is a single statement, which PostgreSQL makes atomic by itself.
 
 Because the connection goes back to the pool when the phase returns, nothing
 holds a transaction or a pooled connection while the runner waits on the PSP or
@@ -35,17 +36,31 @@ async def atomic(
             return await phase(conn, *args, **kwargs)
 
 
+async def one_statement(
+    engine: AsyncEngine,
+    phase: Callable[Concatenate[AsyncConnection, P], Awaitable[T]],
+    *args: P.args,
+    **kwargs: P.kwargs,
+) -> T:
+    """Run a phase that is a single SQL statement, without BEGIN and COMMIT.
+
+    PostgreSQL runs a lone statement as a transaction of its own: it commits
+    completely when the statement ends (deferred constraints are checked
+    then), or not at all. So the statement is exactly as atomic as if it were
+    wrapped in BEGIN and COMMIT, and costs one round trip instead of three.
+    The phase must issue exactly one writing statement: a second one would
+    commit separately. (It may read afterwards, as handler1 does to name the
+    payment that already holds a reference.)
+    """
+    async with engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
+        return await phase(conn, *args, **kwargs)
+
+
 async def read(
     engine: AsyncEngine,
     query: Callable[Concatenate[AsyncConnection, P], Awaitable[T]],
     *args: P.args,
     **kwargs: P.kwargs,
 ) -> T:
-    """Run a read-only query outside any explicit transaction.
-
-    One SELECT is atomic on its own; without BEGIN and COMMIT it is one round
-    trip to the database instead of three. (It must not write: nothing here
-    would roll a write back.)
-    """
-    async with engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
-        return await query(conn, *args, **kwargs)
+    """Run a read-only query: one SELECT, like `one_statement`, writing nothing."""
+    return await one_statement(engine, query, *args, **kwargs)

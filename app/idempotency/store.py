@@ -75,8 +75,9 @@ _EVENT = (
     "'recovery_point', CAST(:recovery_point AS text), 'attempt', attempts)"
 )
 
-_CLAIM = text(
-    f"""
+# The claim, the advance and the finish below are also the first step (the
+# "fence") of the single-statement phases in app/payments/sql.py.
+CLAIM_SQL = f"""
     INSERT INTO idempotency_key AS k
         (client_id, key, endpoint, request_hash, state, recovery_point, payment_id,
          lease_token, lease_expires_at, timeline)
@@ -88,8 +89,7 @@ _CLAIM = text(
                 'recovery_point', CAST(:recovery_point AS text), 'attempt', 1)))
     ON CONFLICT (client_id, key) DO NOTHING
     RETURNING lease_token
-    """
-)
+"""
 
 _LOAD = text(f"SELECT {_COLUMNS} FROM idempotency_key WHERE client_id = :client_id AND key = :key")
 
@@ -114,8 +114,7 @@ _TAKE_OVER = text(
 
 # The fencing check is the `lease_token = :token` in the WHERE clause: a stale
 # owner's UPDATE matches no row, and the caller rolls its phase back.
-_ADVANCE = text(
-    f"""
+ADVANCE_SQL = f"""
     UPDATE idempotency_key
        SET recovery_point = :recovery_point,
            lease_expires_at = now() + make_interval(secs => :lease_seconds),
@@ -124,11 +123,10 @@ _ADVANCE = text(
            timeline = {_EVENT}
      WHERE client_id = :client_id AND key = :key
        AND lease_token = :token AND state = 'started'
-    """
-)
+    RETURNING payment_id
+"""
 
-_FINISH = text(
-    f"""
+FINISH_SQL = f"""
     UPDATE idempotency_key
        SET state = 'finished',
            recovery_point = :recovery_point,
@@ -142,8 +140,8 @@ _FINISH = text(
            timeline = {_EVENT}
      WHERE client_id = :client_id AND key = :key
        AND lease_token = :token AND state = 'started'
-    """
-)
+    RETURNING payment_id
+"""
 
 # Releasing the lease invites the next actor (a retry, the recovery worker) to
 # take over at once instead of waiting for the lease to run out.
@@ -213,35 +211,6 @@ _STRANDED = text(
 )
 
 
-async def claim(
-    conn: AsyncConnection,
-    *,
-    client_id: int,
-    key: str,
-    endpoint: str,
-    request_hash: bytes,
-    recovery_point: str,
-    payment_id: uuid.UUID,
-    lease_seconds: float,
-) -> Lease | None:
-    """Insert the key; a lease if this request owns the operation, else None."""
-    token = (
-        await conn.execute(
-            _CLAIM,
-            dict(
-                client_id=client_id,
-                key=key,
-                endpoint=endpoint,
-                request_hash=request_hash,
-                recovery_point=recovery_point,
-                payment_id=payment_id,
-                lease_seconds=lease_seconds,
-            ),
-        )
-    ).scalar_one_or_none()
-    return None if token is None else Lease(client_id, key, token)
-
-
 async def load(conn: AsyncConnection, client_id: int, key: str) -> KeyRow | None:
     row = (await conn.execute(_LOAD, dict(client_id=client_id, key=key))).mappings().one_or_none()
     return None if row is None else KeyRow(**row)
@@ -258,35 +227,6 @@ async def take_over(
         )
     ).scalar_one_or_none()
     return None if token is None else Lease(client_id, key, token)
-
-
-async def advance(
-    conn: AsyncConnection, lease: Lease, recovery_point: str, lease_seconds: float, *, event: str
-) -> None:
-    """Record a new recovery point and renew the lease, or raise LeaseLost."""
-    await _fenced(
-        conn,
-        _ADVANCE,
-        lease,
-        recovery_point=recovery_point,
-        lease_seconds=lease_seconds,
-        event=event,
-    )
-
-
-async def finish(
-    conn: AsyncConnection, lease: Lease, response_code: int, response_body: str, *, event: str
-) -> None:
-    """Store the final response beside state=finished, or raise LeaseLost."""
-    await _fenced(
-        conn,
-        _FINISH,
-        lease,
-        recovery_point=FINISHED,
-        response_code=response_code,
-        response_body=response_body,
-        event=event,
-    )
 
 
 async def release(conn: AsyncConnection, lease: Lease, error: str, retry_in: float, *, event: str) -> None:

@@ -1,4 +1,4 @@
-"""Ledger postings, written inside the phase that learns the money moved.
+"""Ledger postings, written by the phase that learns the money moved.
 
 Each posting is a set of entries whose debits equal their credits, so every
 payment's entries balance after every phase. The accounts:
@@ -14,20 +14,7 @@ only once per payment, even if a bug upstream tried to run a phase twice.
 
 from __future__ import annotations
 
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection
-
 from app.payments.models import Payment
-
-_INSERT = text(
-    """
-    INSERT INTO ledger_entry (payment_id, posting, account, debit_minor, credit_minor, currency)
-    SELECT CAST(:payment_id AS uuid), CAST(:posting AS text), e.account, e.debit, e.credit,
-           CAST(:currency AS char(3))
-      FROM unnest(CAST(:accounts AS text[]), CAST(:debits AS bigint[]), CAST(:credits AS bigint[]))
-           AS e(account, debit, credit)
-    """
-)
 
 
 def charge_captured(p: Payment) -> list[tuple[str, int, int]]:
@@ -53,21 +40,15 @@ def charge_refunded(p: Payment) -> list[tuple[str, int, int]]:
     ]
 
 
-async def post(conn: AsyncConnection, payment: Payment, posting: str, entries: list[tuple[str, int, int]]) -> None:
+def legs(posting: str, entries: list[tuple[str, int, int]]) -> dict[str, object]:
+    """The posting as statement parameters, checked to balance before it is written.
+
+    (The legs are inserted by the phase's own statement, see app/payments/sql.py.)
+    """
     # Zero-amount legs (a zero fee) carry no information and would break the
     # one-sided CHECK, so they are left out.
     entries = [e for e in entries if e[1] or e[2]]
     if sum(e[1] for e in entries) != sum(e[2] for e in entries):
-        raise AssertionError(f"unbalanced posting {posting} for payment {payment.id}")
+        raise AssertionError(f"unbalanced posting {posting}: {entries}")
     accounts, debits, credits = zip(*entries)
-    await conn.execute(
-        _INSERT,
-        dict(
-            payment_id=payment.id,
-            posting=posting,
-            currency=payment.currency,
-            accounts=list(accounts),
-            debits=list(debits),
-            credits=list(credits),
-        ),
-    )
+    return dict(posting=posting, accounts=list(accounts), debits=list(debits), credits=list(credits))

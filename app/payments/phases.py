@@ -1,12 +1,15 @@
 """The atomic phases of a payment: one function per transaction.
 
-Each phase receives a connection already inside a transaction
-(`app.db.transaction.atomic`) and returns the operation as it stands after the
-commit. Its first statement is the fenced write to the key row, which both
-proves this attempt still owns the operation and locks the row; if the lease
-was taken over, `LeaseLost` is raised and everything the phase wrote is rolled
-back. No phase calls the network: the runner calls the PSP and the rail
-between phases.
+Each phase returns the operation as it stands after its commit. The phases on
+every payment's path (handler1, record_charge, record_transfer, record_refund)
+are each a single SQL statement (app/payments/sql.py), run by
+`app.db.transaction.one_statement`; the rarer ones (take_over, park,
+settle_parked) are a few statements in a transaction (`atomic`). Either way
+the first write is the fenced write to the key row, which proves this attempt
+still owns the operation and locks the row; if the lease was taken over,
+nothing the phase would have written is written, and `LeaseLost` is raised.
+No phase calls the network: the runner calls the PSP and the rail between
+phases.
 
     handler1          claim the key, create the payment      -> EXT1_SENT
     (External1: charge the card at the PSP with K1)
@@ -24,12 +27,14 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.idempotency import store as keys
 from app.idempotency.keys import derived_key, end_to_end_reference
-from app.idempotency.store import Lease
+from app.idempotency.store import Lease, LeaseLost
 from app.ledger import postings
+from app.payments import sql
 from app.payments import store as payments
 from app.payments.models import Payment, PaymentRequest, PaymentView, fee_for
 from app.payments.recovery_points import (
@@ -80,36 +85,36 @@ async def handler1(
     Running it again is safe: the INSERT of the key conflicts and returns no
     row, and the caller reads the stored row instead.
     """
-    payment_id = uuid.uuid4()
-    lease = await keys.claim(
-        conn,
-        client_id=client_id,
-        key=key,
-        endpoint=ENDPOINT,
-        request_hash=request_hash,
-        recovery_point=EXT1_SENT,
-        payment_id=payment_id,
-        lease_seconds=lease_seconds,
-    )
-    if lease is None:
-        return None
-    payment = await payments.insert(
-        conn,
-        payment_id=payment_id,
-        client_id=client_id,
-        request=request,
-        fee=fee_for(request.amount),
-        psp_charge_key=derived_key(client_id, key, STEP_CHARGE),
-    )
-    if payment is None:
-        # Raising rolls back the key row too: a new key for an already-paid
-        # reference leaves no trace, and retrying it gives the same answer.
+    fee = fee_for(request.amount)
+    try:
+        row = (
+            await conn.execute(
+                sql.HANDLER1,
+                dict(
+                    client_id=client_id, key=key, endpoint=ENDPOINT, request_hash=request_hash,
+                    recovery_point=EXT1_SENT, payment_id=uuid.uuid4(), lease_seconds=lease_seconds,
+                    reference=request.reference, amount=request.amount, currency=request.currency,
+                    fee=fee, net=request.amount - fee, card_token=request.card_token,
+                    beneficiary_name=request.beneficiary.name, beneficiary_iban=request.beneficiary.iban,
+                    psp_charge_key=derived_key(client_id, key, STEP_CHARGE),
+                ),
+            )
+        ).mappings().one_or_none()
+    except IntegrityError as exc:
+        if "idempotency_key_payment_id_fkey" not in str(exc.orig):
+            raise
+        # The reference is taken: the statement, claim included, was rolled
+        # back (see sql.HANDLER1), so retrying this gives the same answer.
         existing = await payments.id_by_reference(conn, client_id, request.reference)
         raise ProblemError(
             DUPLICATE_PAYMENT,
             f"payment {existing} already has reference {request.reference!r}",
             payment_id=str(existing),
-        )
+        ) from None
+    if row is None:
+        return None
+    lease = Lease(client_id, key, row["lease_token"])
+    payment = Payment(**{k: v for k, v in row.items() if k != "lease_token"})
     return Operation(lease, EXT1_SENT, payment, resumed=False)
 
 
@@ -144,20 +149,19 @@ async def record_charge(conn: AsyncConnection, op: Operation, charge: dict[str, 
     """
     client_id, key = op.lease.client_id, op.lease.key
     if charge["status"] != "succeeded":
-        declined = replace(op.payment, status="declined", psp_charge_id=charge["id"], decline_code=charge.get("decline_code"))
-        return await _finish(conn, op, declined, "declined", event="charge declined",
+        declined = replace(
+            op.payment, status="declined", psp_charge_id=charge["id"], decline_code=charge.get("decline_code")
+        )
+        return await _finish(conn, op, sql.CHARGE_DECLINED, declined, event="charge declined",
                              charge_id=charge["id"], decline_code=charge.get("decline_code"))
-
-    await keys.advance(conn, op.lease, EXT2_SENT, lease_seconds, event="charge succeeded")
-    payment = await payments.update(
-        conn,
-        "charged",
-        op.payment.id,
+    payment = await _fenced(
+        conn, sql.CHARGE_CAPTURED, op,
+        recovery_point=EXT2_SENT, lease_seconds=lease_seconds, event="charge succeeded",
         charge_id=charge["id"],
         e2e=end_to_end_reference(client_id, key),
         transfer_key=derived_key(client_id, key, STEP_TRANSFER),
+        **postings.legs("charge_captured", postings.charge_captured(op.payment)),
     )
-    await postings.post(conn, payment, "charge_captured", postings.charge_captured(payment))
     return replace(op, recovery_point=EXT2_SENT, payment=payment, resumed=False)
 
 
@@ -174,15 +178,13 @@ async def record_transfer(conn: AsyncConnection, op: Operation, transfer: dict[s
     """
     if transfer["status"] == "accepted":
         paid = replace(op.payment, status="succeeded", rail_transfer_id=transfer["id"])
-        op = await _finish(conn, op, paid, "paid_out", event="transfer accepted", transfer_id=transfer["id"])
-        await postings.post(conn, op.payment, "payout_sent", postings.payout_sent(op.payment))
-        return op
-
-    await keys.advance(conn, op.lease, EXT3_SENT, lease_seconds, event="transfer rejected")
-    payment = await payments.update(
-        conn,
-        "payout_rejected",
-        op.payment.id,
+        return await _finish(
+            conn, op, sql.PAYOUT_SENT, paid, event="transfer accepted", transfer_id=transfer["id"],
+            **postings.legs("payout_sent", postings.payout_sent(op.payment)),
+        )
+    payment = await _fenced(
+        conn, sql.PAYOUT_REJECTED, op,
+        recovery_point=EXT3_SENT, lease_seconds=lease_seconds, event="transfer rejected",
         transfer_id=transfer["id"],
         reject_reason=transfer.get("reject_reason"),
         refund_key=derived_key(op.lease.client_id, op.lease.key, STEP_REFUND),
@@ -200,9 +202,10 @@ async def record_refund(conn: AsyncConnection, op: Operation, refund: dict[str, 
     PSP by K3, finds this refund and records it then: one refund, never two.
     """
     failed = replace(op.payment, status="failed", psp_refund_id=refund["id"])
-    op = await _finish(conn, op, failed, "refunded", event="charge refunded", refund_id=refund["id"])
-    await postings.post(conn, op.payment, "charge_refunded", postings.charge_refunded(op.payment))
-    return op
+    return await _finish(
+        conn, op, sql.CHARGE_REFUNDED, failed, event="charge refunded", refund_id=refund["id"],
+        **postings.legs("charge_refunded", postings.charge_refunded(op.payment)),
+    )
 
 
 async def release(
@@ -266,12 +269,23 @@ async def settle_parked(
     return await record_transfer(conn, op, transfer, lease_seconds)
 
 
-async def _finish(conn: AsyncConnection, op: Operation, final: Payment, change: str, *, event: str, **values: Any) -> Operation:
-    # The response is built from the payment as it will be after this commit,
-    # and the fenced write to the key row goes first: key row, then payment
-    # row, the same lock order as every other phase, so two attempts can
-    # never deadlock each other.
+async def _finish(conn: AsyncConnection, op: Operation, statement, final: Payment, *, event: str, **values: Any) -> Operation:
+    # The response is built from the payment as it will be after this commit
+    # (`final`), and stored by the same statement that makes it so.
     body = PaymentView.of(final).body()
-    await keys.finish(conn, op.lease, FINAL_STATUS_CODE, body, event=event)
-    payment = await payments.update(conn, change, op.payment.id, **values)
+    payment = await _fenced(
+        conn, statement, op,
+        recovery_point=FINISHED, response_code=FINAL_STATUS_CODE, response_body=body, event=event, **values,
+    )
     return replace(op, recovery_point=FINISHED, payment=payment, response=(FINAL_STATUS_CODE, body))
+
+
+async def _fenced(conn: AsyncConnection, statement, op: Operation, **params: Any) -> Payment:
+    """Run a single-statement phase; the payment it left, or LeaseLost if the fence held nothing."""
+    lease = op.lease
+    row = (
+        await conn.execute(statement, dict(client_id=lease.client_id, key=lease.key, token=lease.token, **params))
+    ).mappings().one_or_none()
+    if row is None:
+        raise LeaseLost(f"lease on {lease.key!r} was taken over; this attempt must stop")
+    return Payment(**row)

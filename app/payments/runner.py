@@ -23,7 +23,7 @@ import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from app.db.transaction import atomic
+from app.db.transaction import atomic, one_statement
 from app.payments import crash_points, phases
 from app.payments.models import Payment
 from app.payments.phases import Operation
@@ -116,7 +116,7 @@ async def _drive(services: Services, op: Operation) -> Finished | Pending:
         if isinstance(outcome, Unknown):
             return await _give_up(services, op, outcome.reason, final=not repeatable)
         crash_points.reached(crash_at, f"after-call-{crash_points.CALL_OF[op.recovery_point]}")
-        op = await atomic(services.engine, step.record, op, outcome.record, services.settings.lease_seconds)
+        op = await one_statement(services.engine, step.record, op, outcome.record, services.settings.lease_seconds)
         crash_points.reached(crash_at, f"after-commit-{op.recovery_point}")
     assert op.response is not None
     return Finished(*op.response)
@@ -133,7 +133,7 @@ async def _give_up(services: Services, op: Operation, reason: str, *, final: boo
         payment = await atomic(services.engine, phases.park, op, reason)
         return Pending(payment, reason)
     retry_in = backoff_seconds(op.attempt, settings.backoff_base_seconds, settings.backoff_cap_seconds)
-    await atomic(services.engine, phases.release, op, reason, retry_in)
+    await one_statement(services.engine, phases.release, op, reason, retry_in)
     return Pending(op.payment, reason)
 
 

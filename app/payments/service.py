@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from app.db.transaction import atomic, read
+from app.db.transaction import atomic, one_statement, read
 from app.idempotency import store as keys
 from app.idempotency.keys import request_fingerprint
 from app.idempotency.store import LeaseLost
@@ -42,25 +42,31 @@ class Reply:
 async def submit_payment(services: Services, client_id: int, key: str, request: PaymentRequest) -> Reply:
     settings = services.settings
     fingerprint = request_fingerprint("POST", "/v1/payments", request.model_dump(mode="json"))
-    op = await atomic(
-        services.engine,
-        phases.handler1,
-        client_id=client_id,
-        key=key,
-        request_hash=fingerprint,
-        request=request,
-        lease_seconds=settings.lease_seconds,
-    )
-    if op is not None:
-        crash_points.reached(settings.payments_crash_at, f"after-commit-{op.recovery_point}")
-        return Reply(await _drive(services, op))
-
-    # The key exists. Only the stored row decides what happens next.
+    # Look first: a retry of a finished payment (the common retry) is answered
+    # from this one read, without touching the write path at all.
     row = await read(services.engine, keys.load, client_id, key)
     if row is None:
-        # It existed a moment ago and is gone (reaped): behave as in flight
-        # rather than guess; the retry will find a clean slate.
-        raise _in_progress(settings.retry_after_seconds)
+        op = await one_statement(
+            services.engine,
+            phases.handler1,
+            client_id=client_id,
+            key=key,
+            request_hash=fingerprint,
+            request=request,
+            lease_seconds=settings.lease_seconds,
+        )
+        if op is not None:
+            crash_points.reached(settings.payments_crash_at, f"after-commit-{op.recovery_point}")
+            return Reply(await _drive(services, op))
+        # A concurrent first attempt claimed the key between our read and our
+        # INSERT: the database let exactly one of us in. Read what it stored.
+        row = await read(services.engine, keys.load, client_id, key)
+        if row is None:
+            # Claimed and gone again (reaped): behave as in flight rather
+            # than guess; the retry will find a clean slate.
+            raise _in_progress(settings.retry_after_seconds)
+
+    # The key exists. Only the stored row decides what happens next.
     if row.endpoint != phases.ENDPOINT or row.request_hash != fingerprint:
         raise ProblemError(
             IDEMPOTENCY_KEY_REUSED,

@@ -1,4 +1,8 @@
-"""SQL on the `payment` table, called by the phases inside their transaction."""
+"""SQL on the `payment` table outside the hot path (which is in app/payments/sql.py).
+
+Lookups for the API and reconciliation, and the status changes of the rarer
+phases (parking, reopening for reconciliation).
+"""
 
 from __future__ import annotations
 
@@ -8,19 +12,7 @@ from datetime import date
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.payments.models import Payment, PaymentRequest
-
-_INSERT = text(
-    """
-    INSERT INTO payment
-        (id, client_id, reference, amount_minor, currency, fee_minor, net_minor,
-         card_token, beneficiary_name, beneficiary_iban, status, psp_charge_key)
-    VALUES (:id, :client_id, :reference, :amount, :currency, :fee, :net,
-            :card_token, :beneficiary_name, :beneficiary_iban, 'processing', :psp_charge_key)
-    ON CONFLICT (client_id, reference) WHERE status NOT IN ('declined', 'failed') DO NOTHING
-    RETURNING *
-    """
-)
+from app.payments.models import Payment
 
 _BY_REFERENCE = text(
     "SELECT id FROM payment WHERE client_id = :client_id AND reference = :reference "
@@ -29,34 +21,6 @@ _BY_REFERENCE = text(
 _BY_ID = text("SELECT * FROM payment WHERE id = :id AND client_id = :client_id")
 
 _UPDATE = {
-    "charged": text(
-        """
-        UPDATE payment SET psp_charge_id = :charge_id, end_to_end_reference = :e2e,
-                           rail_transfer_key = :transfer_key, payout_instructed_at = now(),
-                           updated_at = now()
-         WHERE id = :id RETURNING *
-        """
-    ),
-    "declined": text(
-        """
-        UPDATE payment SET status = 'declined', psp_charge_id = :charge_id,
-                           decline_code = :decline_code, updated_at = now()
-         WHERE id = :id RETURNING *
-        """
-    ),
-    "paid_out": text(
-        """
-        UPDATE payment SET status = 'succeeded', rail_transfer_id = :transfer_id, updated_at = now()
-         WHERE id = :id RETURNING *
-        """
-    ),
-    "payout_rejected": text(
-        """
-        UPDATE payment SET rail_transfer_id = :transfer_id, reject_reason = :reject_reason,
-                           psp_refund_key = :refund_key, updated_at = now()
-         WHERE id = :id RETURNING *
-        """
-    ),
     "indeterminate": text(
         """
         UPDATE payment SET status = 'indeterminate', updated_at = now()
@@ -66,12 +30,6 @@ _UPDATE = {
     "reopened": text(
         """
         UPDATE payment SET status = 'processing', updated_at = now()
-         WHERE id = :id RETURNING *
-        """
-    ),
-    "refunded": text(
-        """
-        UPDATE payment SET status = 'failed', psp_refund_id = :refund_id, updated_at = now()
          WHERE id = :id RETURNING *
         """
     ),
@@ -94,37 +52,6 @@ _PARKED_PAYOUTS = text(
 )
 
 _BY_END_TO_END = text("SELECT * FROM payment WHERE end_to_end_reference = ANY(CAST(:refs AS text[]))")
-
-
-async def insert(
-    conn: AsyncConnection,
-    *,
-    payment_id: uuid.UUID,
-    client_id: int,
-    request: PaymentRequest,
-    fee: int,
-    psp_charge_key: str,
-) -> Payment | None:
-    """The new payment, or None if one of the client's payments holds this reference."""
-    row = (
-        await conn.execute(
-            _INSERT,
-            dict(
-                id=payment_id,
-                client_id=client_id,
-                reference=request.reference,
-                amount=request.amount,
-                currency=request.currency,
-                fee=fee,
-                net=request.amount - fee,
-                card_token=request.card_token,
-                beneficiary_name=request.beneficiary.name,
-                beneficiary_iban=request.beneficiary.iban,
-                psp_charge_key=psp_charge_key,
-            ),
-        )
-    ).mappings().one_or_none()
-    return None if row is None else Payment(**row)
 
 
 async def id_by_reference(conn: AsyncConnection, client_id: int, reference: str) -> uuid.UUID | None:

@@ -1,0 +1,99 @@
+"""The single-statement phases, called directly: the fence really fences.
+
+A phase folded into one statement must behave exactly like the transaction
+it replaces. Here each is called with a lease that is no longer the owner's,
+and must change no row at all: not the key row, not the payment, not the
+ledger.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+
+import pytest
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from app.config import asyncpg_url
+from app.db.transaction import one_statement
+from app.idempotency.store import Lease, LeaseLost
+from app.payments import phases
+from app.payments.models import PaymentRequest
+from app.problems import DUPLICATE_PAYMENT, ProblemError
+from tests.support import payment_body
+
+
+@pytest.fixture
+async def engine(database_url):
+    engine = create_async_engine(asyncpg_url(database_url))
+    yield engine
+    await engine.dispose()
+
+
+async def snapshot(db, key: str):
+    return (
+        await db.fetchrow("SELECT * FROM idempotency_key WHERE key = $1", key),
+        await db.fetch("SELECT * FROM payment"),
+        await db.fetch("SELECT * FROM ledger_entry"),
+    )
+
+
+async def new_operation(engine, acme, key: str) -> phases.Operation:
+    request = PaymentRequest.model_validate(payment_body())
+    op = await one_statement(
+        engine, phases.handler1, client_id=acme.id, key=key, request_hash=b"h", request=request, lease_seconds=30
+    )
+    assert op is not None and op.recovery_point == "EXT1_SENT"
+    return op
+
+
+@pytest.mark.parametrize(
+    "phase, outcome",
+    [
+        (phases.record_charge, {"id": "ch_1", "status": "succeeded"}),
+        (phases.record_charge, {"id": "ch_1", "status": "declined", "decline_code": "card_declined"}),
+        (phases.record_transfer, {"id": "tr_1", "status": "accepted"}),
+        (phases.record_transfer, {"id": "tr_1", "status": "rejected", "reject_reason": "account_closed"}),
+        (phases.record_refund, {"id": "re_1", "status": "succeeded"}),
+    ],
+)
+async def test_a_phase_run_under_a_lease_that_was_taken_over_writes_nothing(engine, db, acme, phase, outcome):
+    key = str(uuid.uuid4())
+    op = await new_operation(engine, acme, key)
+    stale = replace(op, lease=Lease(acme.id, key, uuid.uuid4()))
+    before = await snapshot(db, key)
+
+    with pytest.raises(LeaseLost):
+        await one_statement(engine, phase, stale, outcome, 30)
+
+    assert await snapshot(db, key) == before
+
+
+async def test_the_owner_advances_and_its_posting_balances(engine, db, acme):
+    key = str(uuid.uuid4())
+    op = await new_operation(engine, acme, key)
+
+    op = await one_statement(engine, phases.record_charge, op, {"id": "ch_1", "status": "succeeded"}, 30)
+
+    assert op.recovery_point == "EXT2_SENT" and op.payment.psp_charge_id == "ch_1"
+    row = await db.fetchrow("SELECT recovery_point, lease_token FROM idempotency_key WHERE key = $1", key)
+    assert row["recovery_point"] == "EXT2_SENT" and row["lease_token"] == op.lease.token
+    legs = await db.fetch("SELECT debit_minor, credit_minor FROM ledger_entry WHERE payment_id = $1", op.payment.id)
+    assert len(legs) == 3 and sum(r["debit_minor"] for r in legs) == sum(r["credit_minor"] for r in legs)
+
+
+async def test_handler1_for_a_taken_reference_leaves_no_key_row(engine, db, acme):
+    request = PaymentRequest.model_validate(payment_body())
+    for key in (first := str(uuid.uuid4()), second := str(uuid.uuid4())):
+        try:
+            await one_statement(
+                engine, phases.handler1, client_id=acme.id, key=key, request_hash=b"h", request=request,
+                lease_seconds=30,
+            )
+        except ProblemError as refused:
+            assert key == second and refused.problem is DUPLICATE_PAYMENT
+
+    # The claim was in the same statement as the refused insert: rolled back too.
+    assert await db.fetchval("SELECT count(*) FROM idempotency_key WHERE key = $1", first) == 1
+    assert await db.fetchval("SELECT count(*) FROM idempotency_key WHERE key = $1", second) == 0
+    assert await db.fetchval("SELECT count(*) FROM payment") == 1
