@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test bench lock clean demo-crash demo-crash-all demo-client-bug
+.PHONY: install run test bench lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile
 
 install: $(STAMP)
 
@@ -49,6 +49,10 @@ demo-crash-all: $(STAMP)
 
 demo-client-bug: $(STAMP)
 	$(BIN)/python -m demos.client_bug
+
+# Indeterminate payouts on a legacy rail, settled by `payments reconcile` (docs/reconciliation.md).
+demo-reconcile: $(STAMP)
+	$(BIN)/python -m demos.reconcile
 
 # Re-pin every dependency after editing pyproject.toml.
 lock: $(STAMP)

@@ -137,7 +137,8 @@ class System:
 
     # -- start and stop -------------------------------------------------------------------------------
 
-    def start(self) -> System:
+    def start(self, rail_args: tuple[str, ...] = ()) -> System:
+        """Everything but the API; `rail_args` go to fake-rail (e.g. --legacy-accounts, --cutoff)."""
         url = os.environ.get("DATABASE_URL")
         if url:
             maintenance = libpq_url(url).rsplit("/", 1)[0] + "/postgres"
@@ -152,7 +153,7 @@ class System:
         self.db = Db(self.database_url)
         env = {**os.environ, "FAKE_RAILS_DATABASE_URL": self.database_url}
         self.psp = self._spawn("fake-psp", [str(BIN / "fake-psp")], env, free_port())
-        self.rail = self._spawn("fake-rail", [str(BIN / "fake-rail")], env, free_port())
+        self.rail = self._spawn("fake-rail", [str(BIN / "fake-rail"), *rail_args], env, free_port())
         return self
 
     @property
@@ -190,9 +191,14 @@ class System:
             env.pop("PAYMENTS_CRASH_AT", None)
         return env
 
-    def api(self, *, crash_at: str | None = None, port: int | None = None, name: str = "api") -> Proc:
-        """An API process; with `crash_at` it dies there (and holds only a short lease)."""
+    def api(self, *, crash_at: str | None = None, port: int | None = None, name: str = "api",
+            env: dict[str, str] | None = None) -> Proc:
+        """An API process; with `crash_at` it dies there (and holds only a short lease).
+
+        `env`: extra settings for it (e.g. RAIL_LEGACY_ACCOUNTS, RAIL_TIMEOUT_SECONDS).
+        """
         extra = {"PAYMENTS_CRASH_AT": crash_at, "LEASE_SECONDS": DOOMED_LEASE_SECONDS} if crash_at else {}
+        extra = {**(env or {}), **extra}
         argv = [str(BIN / "payments"), "api"]
         return self._spawn(name, argv, self.service_env(**extra), port or free_port())
 
