@@ -115,9 +115,13 @@ def reconcile(
         async with open_services(Settings()) as services:
             return await reconciliation.run_window(services, window)
 
-    counts = asyncio.run(go())
+    try:
+        counts = asyncio.run(go())
+    except reconciliation.StatementUnavailable as exc:
+        console.print(f"[red]the rail's statement is unavailable ({exc}); the window stays open, try again[/]")
+        raise typer.Exit(1) from None
     if counts is None:
-        console.print(f"window {window} is already reconciled, or a run for it is in progress")
+        console.print(f"window {window} is already reconciled, or a run for it is in progress (see scheduled_run)")
         return
     console.print(f"reconciled {window}: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
 

@@ -73,6 +73,10 @@ class Settings(BaseSettings):
     # Reconciliation inside `payments worker`: how often it checks whether
     # yesterday's window still needs its run, and how long a run's lease lasts.
     reconcile_every_seconds: float = Field(default=60.0, gt=0)
+    # The rail's booking horizon: how many days after its instruction a payout
+    # may still be booked (cut-off, weekends, holidays). A payout is declared
+    # absent only once every statement in its horizon is final.
+    reconcile_booking_days: int = Field(default=3, ge=1, le=14)
     reconcile_lease_seconds: float = Field(default=300.0, gt=0)
     # Crash tests and demos only: die at this named point (app.payments.crash_points).
     payments_crash_at: str | None = None

@@ -118,6 +118,7 @@ class Demo:
     def cli(self, *args: str) -> tuple[int, str]:
         """`payments <args>` as its own process, configured like a worker would be."""
         env = self.system.service_env(RAIL_LEGACY_ACCOUNTS=LEGACY_IBAN, RAIL_TIMEOUT_SECONDS=RAIL_TIMEOUT_SECONDS,
+                                      RECONCILE_BOOKING_DAYS="1",
                                       COLUMNS="200")
         try:
             done = subprocess.run([str(BIN / "payments"), *args], env=env, capture_output=True, text=True,
@@ -292,7 +293,8 @@ class Demo:
         console.print(Panel(
             f"Absent from an open statement proves nothing, and a payout instructed on {self.today} is booked "
             f"on {self.today}'s statement, or on {tomorrow}'s if it reached the rail after the cut-off. So (b) can "
-            "be settled as absent only when [bold]both[/] statements are final.",
+            "be settled as absent only when [bold]both[/] statements are final. (This demo's rail books within "
+            "one day: RECONCILE_BOOKING_DAYS=1. The default, 3, also allows for weekends.)",
             border_style="blue"))
         closed = self.http.post(self.system.rail.url + "/_admin/close-day", json={"date": tomorrow.isoformat()})
         closed.raise_for_status()

@@ -241,6 +241,8 @@ async def settle_parked(
     client_id: int,
     key: str,
     transfer: dict[str, Any],
+    *,
+    run_lease_seconds: float,
     lease_seconds: float,
 ) -> Operation | None:
     """Reconciliation settles a parked payout with what the rail's statement says.
@@ -257,7 +259,7 @@ async def settle_parked(
     EXT3_SENT, unparked, where the recovery worker resumes the refund.
     None if the operation is no longer parked (settled by someone else).
     """
-    await ticks.renew(conn, run, lease_seconds)
+    await ticks.renew(conn, run, run_lease_seconds)
     taken = await keys.unpark(conn, client_id, key, lease_seconds, event="settled by reconciliation")
     if taken is None:
         return None

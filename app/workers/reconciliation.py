@@ -12,9 +12,14 @@ retry possible? NO -> reconcile"):
     anything that cannot be settled
     safely                              -> a break, recorded and never auto-corrected
 
-A payout instructed on day I is booked on I's statement, or on the next
-day's if it reached the rail after the cut-off. So it is absent only when
-both statements are final and neither has it.
+A payout instructed on day I is booked on I's statement, or a later one if it
+reached the rail after the cut-off, before a weekend or a holiday: up to
+`reconcile_booking_days` days later (the rail's booking horizon, a fact about
+the rail we are told, like its capabilities). So it is absent only when every
+statement from I to I + horizon is final and none has it; until then each
+day's run looks again. Bookings that contradict what we recorded (a second
+booking of a paid-out payment, on any day; a booking for a payment we
+refunded) are breaks too.
 
 Each run claims its window with a durable tick (`app.workers.ticks`), so with
 several workers exactly one run happens per window, and settles each payment
@@ -98,11 +103,14 @@ async def run_window(services: Services, window: date) -> dict[str, Any] | None:
 
 async def _reconcile(services: Services, run: RunLease) -> dict[str, Any]:
     window = run.window_start
-    lease_seconds = services.settings.reconcile_lease_seconds
-    # Payouts instructed the day before may have been booked on this window's
-    # statement (after the cut-off), so they are candidates too.
-    parked = await read(services.engine, payments.parked_payouts, window - ONE_DAY, window)
-    days = {window} | {d for p, _ in parked for d in _booking_days(p)}
+    settings = services.settings
+    lease_seconds = settings.reconcile_lease_seconds
+    horizon = settings.reconcile_booking_days
+    # Payouts instructed up to `horizon` days before may be booked on this
+    # window's statement, so they are candidates too; each is decided only
+    # from the statements of its own booking horizon.
+    parked = await read(services.engine, payments.parked_payouts, window - horizon * ONE_DAY, window)
+    days = {window} | {d for p, _ in parked for d in _booking_days(p, horizon)}
     statements = {day: await _statement(services, day) for day in sorted(days)}
 
     booked: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -124,13 +132,14 @@ async def _reconcile(services: Services, run: RunLease) -> dict[str, Any]:
             continue
         if entries:
             outcome = {"id": entries[0]["transfer_id"], "status": "accepted", "settled_by": "statement"}
-        elif all(statements[d]["final"] for d in _booking_days(payment)):
+        elif all(statements[d]["final"] for d in _booking_days(payment, horizon)):
             outcome = {"id": None, "status": "rejected", "reject_reason": "not_on_statement"}
         else:
             counts["not_yet_decidable"] += 1
             continue
         op = await atomic(
-            services.engine, phases.settle_parked, run, payment.client_id, key, outcome, lease_seconds
+            services.engine, phases.settle_parked, run, payment.client_id, key, outcome,
+            run_lease_seconds=lease_seconds, lease_seconds=settings.lease_seconds,
         )
         if op is None:
             continue
@@ -143,10 +152,11 @@ async def _reconcile(services: Services, run: RunLease) -> dict[str, Any]:
     return dict(counts)
 
 
-def _booking_days(payment: Payment) -> tuple[date, date]:
+def _booking_days(payment: Payment, horizon: int) -> list[date]:
+    """The statement days that may hold this payout: its instruction day and the horizon after it."""
     assert payment.payout_instructed_at is not None
     instructed = payment.payout_instructed_at.astimezone(UTC).date()
-    return instructed, instructed + ONE_DAY
+    return [instructed + n * ONE_DAY for n in range(horizon + 1)]
 
 
 async def _statement(services: Services, day: date) -> dict[str, Any]:
@@ -163,6 +173,17 @@ def _break_for(ref: str, entries: list[dict[str, Any]], payment: Payment | None)
     if len(entries) > 1:
         return Break("duplicate_booking", ref, payment.id, {"entries": entries})
     [entry] = entries
+    if payment.rail_transfer_id is not None and entry["transfer_id"] != payment.rail_transfer_id:
+        # Paid out already under another transfer: this is a second booking,
+        # perhaps on another day's statement.
+        return Break(
+            "duplicate_booking", ref, payment.id,
+            {"entry": entry, "recorded_transfer_id": payment.rail_transfer_id},
+        )
+    if payment.status in ("failed", "declined"):
+        # We concluded no payout happened (and refunded the charge), yet the
+        # rail booked one: money went out twice over. A person must recover it.
+        return Break("unexpected_booking", ref, payment.id, {"entry": entry, "payment_status": payment.status})
     if (entry["amount"], entry["currency"]) != (payment.net_minor, payment.currency):
         return Break(
             "amount_mismatch", ref, payment.id,
@@ -186,16 +207,20 @@ async def list_breaks(conn: AsyncConnection) -> list[dict[str, Any]]:
 
 
 async def reconcile_loop(services: Services, stop: asyncio.Event) -> None:
-    """Inside `payments worker`: keep trying to claim yesterday's window.
+    """Inside `payments worker`: keep trying to claim the recent closed windows.
 
-    Most tries find the window finished (or held by another worker) and cost
-    one INSERT that conflicts. A failed run is retried on the next try.
+    Every closed day of the booking horizon up to yesterday, oldest first, so
+    a day on which no worker ran is still reconciled later. Most tries find
+    the window finished (or held by another worker) and cost one INSERT that
+    conflicts. A failed run is retried on the next try.
     """
     while not stop.is_set():
-        try:
-            await run_window(services, yesterday())
-        except (StatementUnavailable, LeaseLost) as exc:
-            log.warning("reconciliation did not complete: %s", exc)
-        except Exception:
-            log.exception("reconciliation failed; the window will be retried")
+        last = yesterday()
+        for back in range(services.settings.reconcile_booking_days, -1, -1):
+            try:
+                await run_window(services, last - back * ONE_DAY)
+            except (StatementUnavailable, LeaseLost) as exc:
+                log.warning("reconciliation did not complete: %s", exc)
+            except Exception:
+                log.exception("reconciliation failed; the window will be retried")
         await pause(stop, services.settings.reconcile_every_seconds)

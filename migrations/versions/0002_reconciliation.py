@@ -48,7 +48,8 @@ def upgrade() -> None:
             id                    bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
             window_start          date NOT NULL,
             kind                  text NOT NULL
-                CHECK (kind IN ('amount_mismatch', 'unmatched_transfer', 'duplicate_booking')),
+                CHECK (kind IN ('amount_mismatch', 'unmatched_transfer', 'duplicate_booking',
+                                'unexpected_booking')),
             end_to_end_reference  text NOT NULL,
             payment_id            uuid REFERENCES payment (id),
             details               jsonb NOT NULL,

@@ -22,6 +22,9 @@ from tests.support import (
     charges, headers, key_row, ledger, payment_body, payments_for, refunds, transfers, unbalanced_payments,
 )
 
+BOOKING_DAYS = 3  # the default RECONCILE_BOOKING_DAYS: absent means absent from all of these
+
+
 def legacy_body() -> dict:
     return payment_body(beneficiary={"name": "Old Bank Customer", "iban": LEGACY_IBAN})
 
@@ -99,14 +102,14 @@ async def test_a_failure_before_applying_reconciles_to_failed_with_one_refund(ht
     )
     assert await transfers(db, body["reference"]) == []
 
-    # Absent from today's statement proves nothing until today's and the next
-    # day's (where a late booking would land) are both final.
+    # Absent from today's statement proves nothing until every statement in
+    # the rail's booking horizon (today and the next BOOKING_DAYS) is final.
     code, output = await processes.cli("reconcile", "--date", today())
     assert code == 0, output
     assert (await payments_for(db, body["reference"]))[0]["status"] == "indeterminate"
     assert await refunds(db, body["reference"]) == []
 
-    await close_days_through(http, stack, datetime.now(UTC).date() + timedelta(days=1))
+    await close_days_through(http, stack, datetime.now(UTC).date() + timedelta(days=BOOKING_DAYS))
     await db.execute("DELETE FROM scheduled_run")  # a new window, as if run the next day
     code, output = await processes.cli("reconcile", "--date", today())
 
@@ -122,7 +125,7 @@ async def test_a_rerun_of_a_reconciled_window_does_nothing_twice(http, stack, db
     key, body, _ = await park_a_legacy_payout(
         http, stack, db, acme, {"action": "error_before", "status": 500}
     )
-    await close_days_through(http, stack, datetime.now(UTC).date() + timedelta(days=1))
+    await close_days_through(http, stack, datetime.now(UTC).date() + timedelta(days=BOOKING_DAYS))
     assert (await processes.cli("reconcile", "--date", today()))[0] == 0
 
     code, output = await processes.cli("reconcile", "--date", today())
@@ -179,7 +182,7 @@ async def test_two_reconcilers_racing_for_one_window_produce_one_run(http, stack
     key, body, _ = await park_a_legacy_payout(
         http, stack, db, acme, {"action": "error_before", "status": 500}
     )
-    await close_days_through(http, stack, datetime.now(UTC).date() + timedelta(days=1))
+    await close_days_through(http, stack, datetime.now(UTC).date() + timedelta(days=BOOKING_DAYS))
 
     results = await asyncio.gather(*(processes.cli("reconcile", "--date", today()) for _ in range(2)))
 
@@ -202,12 +205,14 @@ async def test_two_workers_claim_yesterdays_window_once(db, stack, processes):
         return state == "finished"
 
     await until(finished, "a worker to reconcile yesterday")
-    # Both keep trying every 0.1 s until they are stopped; none may run it again.
+    # Both keep trying every 0.1 s until they are stopped; none may run a
+    # window twice (each covers the last BOOKING_DAYS + 1 closed days).
     for worker in workers:
         worker.terminate()
     assert [worker.wait(10) for worker in workers] == [0, 0]
     rows = await db.fetch("SELECT * FROM scheduled_run")
-    assert len(rows) == 1 and rows[0]["attempts"] == 1 and rows[0]["state"] == "finished"
+    assert len(rows) == BOOKING_DAYS + 1
+    assert {(r["attempts"], r["state"]) for r in rows} == {(1, "finished")}
 
 
 async def test_a_reconciliation_killed_halfway_is_finished_once_by_the_next_run(
@@ -217,10 +222,11 @@ async def test_a_reconciliation_killed_halfway_is_finished_once_by_the_next_run(
         await park_a_legacy_payout(http, stack, db, acme, {"action": "error_before", "status": 500})
         for _ in range(3)
     ]
-    await close_days_through(http, stack, datetime.now(UTC).date() + timedelta(days=1))
+    await close_days_through(http, stack, datetime.now(UTC).date() + timedelta(days=BOOKING_DAYS))
 
     code, output = await processes.cli(
-        "reconcile", "--date", today(), PAYMENTS_CRASH_AT="reconcile-after-settlement", RECONCILE_LEASE_SECONDS="1"
+        "reconcile", "--date", today(), PAYMENTS_CRASH_AT="reconcile-after-settlement",
+        RECONCILE_LEASE_SECONDS="1", LEASE_SECONDS="1",
     )
 
     assert code == 137, output
@@ -267,7 +273,84 @@ async def test_a_crash_around_a_legacy_payout_parks_it_and_never_sends_it_twice(
 
     assert retry.status_code == 202 and retry.json()["status"] == "indeterminate"
     assert len(await transfers(db, body["reference"])) == transfers_made
-    await close_days_through(http, stack, datetime.now(UTC).date() + timedelta(days=1))
+    await close_days_through(http, stack, datetime.now(UTC).date() + timedelta(days=BOOKING_DAYS))
     assert (await processes.cli("reconcile", "--date", today()))[0] == 0
     await assert_settled(http, stack, db, acme, key, body, status="succeeded" if transfers_made else "failed")
     assert len(await transfers(db, body["reference"])) == transfers_made
+
+
+def day(offset: int):
+    return datetime.now(UTC).date() + timedelta(days=offset)
+
+
+async def rebook(http, stack, transfer, **changes) -> None:
+    """Send a payout straight to the legacy rail again (as an old batch job might)."""
+    fields = ("end_to_end_reference", "amount", "currency", "beneficiary_iban", "beneficiary_name", "reference")
+    again = await http.post(stack.rail.url + "/v1/transfers", json={f: transfer[f] for f in fields} | changes)
+    assert again.status_code == 201
+
+
+async def test_a_payout_booked_late_within_the_horizon_is_found_not_refunded(http, stack, db, acme, processes):
+    # Today and tomorrow are already closed: the rail books it the day after.
+    await close_days_through(http, stack, day(1))
+    key, body, _ = await park_a_legacy_payout(http, stack, db, acme, {"action": "hang_after", "seconds": 5})
+    [transfer] = await transfers(db, body["reference"])
+    assert transfer["booking_date"] == day(2)
+    await close_days_through(http, stack, day(BOOKING_DAYS))
+
+    code, output = await processes.cli("reconcile", "--date", today())
+
+    assert code == 0, output
+    await assert_settled(http, stack, db, acme, key, body, status="succeeded")
+    assert await refunds(db, body["reference"]) == []
+
+
+async def test_an_amount_that_differs_from_the_payment_is_a_break(http, stack, db, acme, processes):
+    key, body, _ = await park_a_legacy_payout(http, stack, db, acme, {"action": "error_before", "status": 500})
+    [payment] = await payments_for(db, body["reference"])
+    await rebook(http, stack, {
+        "end_to_end_reference": payment["end_to_end_reference"], "amount": payment["net_minor"] + 1,
+        "currency": "EUR", "beneficiary_iban": LEGACY_IBAN, "beneficiary_name": "X", "reference": body["reference"],
+    })
+
+    assert (await processes.cli("reconcile", "--date", today()))[0] == 0
+
+    [found] = await db.fetch("SELECT * FROM reconciliation_break")
+    assert found["kind"] == "amount_mismatch" and found["payment_id"] == payment["id"]
+    assert (await payments_for(db, body["reference"]))[0]["status"] == "indeterminate"
+    assert await refunds(db, body["reference"]) == []
+
+
+async def test_a_second_booking_on_a_later_day_of_a_settled_payout_is_a_break(http, stack, db, acme, processes):
+    key, body, _ = await park_a_legacy_payout(http, stack, db, acme, {"action": "hang_after", "seconds": 5})
+    assert (await processes.cli("reconcile", "--date", today()))[0] == 0
+    await assert_settled(http, stack, db, acme, key, body, status="succeeded")
+    [transfer] = await transfers(db, body["reference"])
+    await close_days_through(http, stack, day(0))
+    await rebook(http, stack, transfer)  # booked tomorrow
+    await close_days_through(http, stack, day(1))
+
+    assert (await processes.cli("reconcile", "--date", str(day(1))))[0] == 0
+
+    [found] = await db.fetch("SELECT * FROM reconciliation_break")
+    assert found["kind"] == "duplicate_booking"
+    assert (await payments_for(db, body["reference"]))[0]["status"] == "succeeded", "never auto-corrected"
+
+
+async def test_a_booking_for_a_payout_we_refunded_is_a_break(http, stack, db, acme, processes):
+    key, body, _ = await park_a_legacy_payout(http, stack, db, acme, {"action": "error_before", "status": 500})
+    await close_days_through(http, stack, day(BOOKING_DAYS))
+    assert (await processes.cli("reconcile", "--date", today()))[0] == 0
+    await assert_settled(http, stack, db, acme, key, body, status="failed")
+    [payment] = await payments_for(db, body["reference"])
+    late = {"end_to_end_reference": payment["end_to_end_reference"], "amount": payment["net_minor"],
+            "currency": "EUR", "beneficiary_iban": LEGACY_IBAN, "beneficiary_name": "X",
+            "reference": body["reference"]}
+    await rebook(http, stack, late)  # beyond the horizon: booked after every day we closed
+    late_day = day(BOOKING_DAYS + 1)
+    await close_days_through(http, stack, late_day)
+
+    assert (await processes.cli("reconcile", "--date", str(late_day)))[0] == 0
+
+    [found] = await db.fetch("SELECT * FROM reconciliation_break")
+    assert found["kind"] == "unexpected_booking" and found["payment_id"] == payment["id"]
