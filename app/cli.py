@@ -167,6 +167,22 @@ def crash_points_command(
         print(f"{point:26} {meaning}" if explain else point)
 
 
+@cli.command("naive-api")
+def naive_api(
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    port: int = typer.Option(8010, help="Port to listen on."),
+    workers: int = typer.Option(1, help="Worker processes (uvicorn)."),
+) -> None:
+    """Serve THE NAIVE TWIN: the same flow with no protection. For benchmarks and demos only."""
+    import uvicorn
+
+    _database_url()
+    uvicorn.run(
+        "naive_twin.app:create_app", factory=True, host=host, port=port, workers=workers,
+        log_level="warning", access_log=False,
+    )
+
+
 @cli.command()
 def migrate() -> None:
     """Apply database migrations (Alembic) to DATABASE_URL."""

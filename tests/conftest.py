@@ -233,10 +233,11 @@ class Processes:
         self.database_url, self.stack, self.logs = database_url, stack, logs
         self.started: list[Process] = []
 
-    def api(self, name: str = "api", **env: str) -> Process:
+    def api(self, name: str = "api", command: str = "api", **env: str) -> Process:
+        """An API process (`command="naive-api"` for the naive twin)."""
         port = free_port()
         process = Process(
-            name, [str(BIN / "payments"), "api", "--port", str(port)],
+            name, [str(BIN / "payments"), command, "--port", str(port)],
             api_env(self.database_url, self.stack.psp, self.stack.rail, **env), port, self.logs / f"{name}-{port}.log",
         )
         self.started.append(process)
