@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test bench lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile
+.PHONY: install run test bench lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash
 
 install: $(STAMP)
 
@@ -46,6 +46,9 @@ demo-crash: $(STAMP)
 
 demo-crash-all: $(STAMP)
 	$(BIN)/python -m demos.crash_all --mode "$(MODE)"
+
+demo-naive-crash: $(STAMP)
+	$(BIN)/python -m demos.naive_crash
 
 demo-client-bug: $(STAMP)
 	$(BIN)/python -m demos.client_bug

@@ -202,6 +202,10 @@ class System:
         argv = [str(BIN / "payments"), "api"]
         return self._spawn(name, argv, self.service_env(**extra), port or free_port())
 
+    def naive_api(self, *, name: str = "naive", env: dict[str, str] | None = None) -> Proc:
+        """THE NAIVE TWIN (naive_twin/), the unsafe counter-example, as a process."""
+        return self._spawn(name, [str(BIN / "payments"), "naive-api"], self.service_env(**(env or {})), free_port())
+
     def worker(self) -> Proc:
         env = self.service_env(WORKER_MIN_AGE_SECONDS="0", WORKER_POLL_SECONDS="0.2")
         return self._spawn("worker", [str(BIN / "payments"), "worker"], env, None)
