@@ -69,13 +69,16 @@ def api(
     workers: int = typer.Option(1, help="Worker processes (uvicorn)."),
 ) -> None:
     """Serve the payment API (settings from the environment; see README)."""
+    _serve("app.main:create_app", host, port, workers)
+
+
+def _serve(factory: str, host: str, port: int, workers: int) -> None:
     import uvicorn
 
     _database_url()
-    uvicorn.run(
-        "app.main:create_app", factory=True, host=host, port=port, workers=workers,
-        log_level="warning", access_log=False,
-    )
+    # Each worker process calls the factory, so each builds its own engine
+    # and HTTP client after the fork: nothing pooled is shared across processes.
+    uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False)
 
 
 @cli.command()
@@ -174,13 +177,7 @@ def naive_api(
     workers: int = typer.Option(1, help="Worker processes (uvicorn)."),
 ) -> None:
     """Serve THE NAIVE TWIN: the same flow with no protection. For benchmarks and demos only."""
-    import uvicorn
-
-    _database_url()
-    uvicorn.run(
-        "naive_twin.app:create_app", factory=True, host=host, port=port, workers=workers,
-        log_level="warning", access_log=False,
-    )
+    _serve("naive_twin.app:create_app", host, port, workers)
 
 
 @cli.command()

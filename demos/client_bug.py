@@ -28,7 +28,7 @@ from rich.table import Table
 
 from demos.evidence import snapshot
 from demos.story import ClientLog, show_durable, step, terminal, wait_finished
-from demos.system import DemoError, Proc, System, free_port, payment_body
+from demos.system import DemoError, Proc, System, free_port, payment_body, session
 from payments_client import Event, PaymentsClient, ProblemError, RetriesExhausted, buggy_pay
 
 POINT = "after-call-EXT1"
@@ -179,23 +179,11 @@ def main() -> None:
     system = System()
     checks: list[tuple[str, bool]] = []
     started = time.monotonic()
-    try:
-        with console.status("starting PostgreSQL, the payments_demo database, the fake PSP and the fake rail"):
-            system.start()
+    with session(console, system):
         port = free_port()  # the API's port: every restart reuses it, so the clients keep one URL
         key, reference, api = part1(system, port, checks)
         part2(system, port, api, checks)
         epilogue(system, key, reference, checks)
-    except DemoError as exc:
-        console.print(f"[red]the demo could not go on:[/] {exc}")
-        raise typer.Exit(1) from None
-    except KeyboardInterrupt:
-        console.print("\ninterrupted")
-        raise typer.Exit(130) from None
-    finally:
-        with console.status("stopping every process this demo started"):
-            system.stop()
-    console.print(f"[dim]process logs: {system.logs}[/]")
     failed = [what for what, ok in checks if not ok]
     if failed:
         console.print(f"[bold red]FAIL[/] {'; '.join(failed)}")

@@ -16,7 +16,7 @@ import typer
 
 from app.payments.crash_points import POINTS
 from demos.story import on_request_path, run_point, terminal
-from demos.system import DemoError, System
+from demos.system import System, session
 
 console = terminal()
 
@@ -40,21 +40,8 @@ def main(
         console.print(f"[yellow]{point}[/] is not on the payment request path ({POINTS[point]}); "
                       "this demo crashes the API while it handles a payment, so it cannot reach it.")
         raise typer.Exit(2)
-    system = System()
-    try:
-        with console.status("starting PostgreSQL, the payments_demo database, the fake PSP and the fake rail"):
-            system.start()
+    with session(console, System()) as system:
         outcome = run_point(system, point, mode.value, console, Path(tempfile.mkdtemp(prefix="client-")) / "store.json")
-    except DemoError as exc:
-        console.print(f"[red]the demo could not start:[/] {exc}")
-        raise typer.Exit(1) from None
-    except KeyboardInterrupt:
-        console.print("\ninterrupted")
-        raise typer.Exit(130) from None
-    finally:
-        with console.status("stopping every process this demo started"):
-            system.stop()
-    console.print(f"[dim]process logs: {system.logs}[/]")
     if outcome.passed:
         console.print(f"[bold green]PASS[/] {point} ({mode.value}): one payment, money moved exactly once, "
                       f"replay byte-identical ({outcome.seconds:.1f} s)")

@@ -18,7 +18,7 @@ from rich.table import Table
 from app.payments.crash_points import POINTS
 from demos.crash import Mode
 from demos.story import Outcome, on_request_path, run_point, terminal
-from demos.system import DemoError, System
+from demos.system import System, session
 
 console = terminal()
 
@@ -30,9 +30,7 @@ def main(
     system = System()
     outcomes: list[Outcome] = []
     stories = system.logs / "stories"
-    try:
-        with console.status("starting PostgreSQL, the payments_demo database, the fake PSP and the fake rail"):
-            system.start()
+    with session(console, system):
         stories.mkdir()
         points = [p for p in POINTS if on_request_path(p)]
         console.print(f"[bold]{len(points)} crash points on the payment request path, resumed by {mode.value}[/] "
@@ -50,17 +48,8 @@ def main(
             mark = "[green]PASS[/]" if outcome.passed else "[red]FAIL[/]"
             console.print(f"  {mark} {point:24} {outcome.seconds:5.1f} s"
                           + (f"  [red]{outcome.error}[/]" if outcome.error else ""))
-    except DemoError as exc:
-        console.print(f"[red]the demo could not start:[/] {exc}")
-        raise typer.Exit(1) from None
-    except KeyboardInterrupt:
-        console.print("\ninterrupted")
-        raise typer.Exit(130) from None
-    finally:
-        with console.status("stopping every process this demo started"):
-            system.stop()
     console.print(summary(outcomes, mode.value))
-    console.print(f"[dim]process logs and stories: {system.logs}[/]")
+    console.print(f"[dim]each point's story: {stories}[/]")
     failed = [o.point for o in outcomes if not o.passed]
     if failed:
         console.print(f"[bold red]FAIL[/] {len(failed)} of {len(outcomes)}: {', '.join(failed)}")

@@ -25,7 +25,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from demos.story import step, terminal
-from demos.system import DemoError, System, payment_body
+from demos.system import DemoError, System, payment_body, session
 
 console = terminal()
 
@@ -110,14 +110,9 @@ def service_story(system: System) -> int:
 
 
 def main() -> None:
-    with System() as system:
-        try:
-            system.start()
-            naive = naive_story(system)
-            real = service_story(system)
-        except DemoError as exc:
-            console.print(f"[red]FAIL[/] {exc}")
-            raise typer.Exit(1) from None
+    with session(console, System()) as system:
+        naive = naive_story(system)
+        real = service_story(system)
     ok = naive == 2 and real == 1
     console.print(("[green]PASS[/]" if ok else "[red]FAIL[/]") +
                   f" the naive twin charged {naive} times, the real service {real} time(s), for the same crash")

@@ -17,12 +17,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import httpx
+import typer
 
 from app import embedded_db
 from app.cli import create_client, migrate_database
@@ -224,6 +227,29 @@ class System:
         """The rail's `reject` fault for this reference: the way to reach EXT3 (the refund)."""
         fault = {"action": "reject", "reference": reference, "times": None}
         httpx.put(self.rail.url + "/_admin/faults", json={"faults": [fault]}, timeout=5).raise_for_status()
+
+
+@contextmanager
+def session(console: Any, system: System, rail_args: tuple[str, ...] = ()) -> Iterator[System]:
+    """Start the system, run a demo in it, and always stop every process it started.
+
+    An expected failure (DemoError) or Ctrl-C ends the demo with a sentence
+    and an exit code, never a stack trace.
+    """
+    try:
+        with console.status("starting PostgreSQL, the payments_demo database, the fake PSP and the fake rail"):
+            system.start(rail_args=rail_args)
+        yield system
+    except DemoError as exc:
+        console.print(f"[red]the demo could not go on:[/] {exc}")
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        console.print("\ninterrupted")
+        raise typer.Exit(130) from None
+    finally:
+        with console.status("stopping every process this demo started"):
+            system.stop()
+        console.print(f"[dim]process logs: {system.logs}[/]")
 
 
 def payment_body(reference: str) -> dict[str, Any]:

@@ -20,8 +20,6 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.payments.recovery_points import FINISHED
-
 
 class LeaseLost(Exception):
     """This attempt no longer owns the operation; its transaction must roll back."""
@@ -77,7 +75,7 @@ _EVENT = (
 
 # The claim, the advance and the finish below are also the first step (the
 # "fence") of the single-statement phases in app/payments/sql.py.
-CLAIM_SQL = f"""
+CLAIM_SQL = """
     INSERT INTO idempotency_key AS k
         (client_id, key, endpoint, request_hash, state, recovery_point, payment_id,
          lease_token, lease_expires_at, timeline)
