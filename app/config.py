@@ -70,8 +70,8 @@ class Settings(BaseSettings):
     worker_poll_seconds: float = Field(default=1.0, gt=0)
     worker_min_age_seconds: float = Field(default=2.0, ge=0)
     worker_concurrency: int = Field(default=8, ge=1)
-    # Reconciliation inside `payments worker`: how often it checks whether
-    # yesterday's window still needs its run, and how long a run's lease lasts.
+    # Reconciliation inside `payments worker`: how often it checks whether the
+    # recent closed days still need their run, and how long a run's lease lasts.
     reconcile_every_seconds: float = Field(default=60.0, gt=0)
     # The rail's booking horizon: how many days after its instruction a payout
     # may still be booked (cut-off, weekends, holidays). A payout is declared

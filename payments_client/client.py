@@ -19,7 +19,7 @@ Each rule below prevents a failure that a crash test or the seed names:
    attempts and seconds: an unbounded loop turns an outage into a stampede.
 4. **Never retry a refusal.** Any other 4xx is final for this request and is
    raised at once as `ProblemError` with the problem+json: 409
-   duplicate-payment (this reference is already paid, `payment_id` names the
+   duplicate-payment (this reference is held by a payment in progress or paid; `payment_id` names the
    payment), 422 idempotency-key-reused (a bug: same key, different body).
 5. **202 is not a failure**: the outcome is not yet known. Poll `Location`
    until the status is final (succeeded, declined, failed) or indeterminate

@@ -29,7 +29,10 @@ class KeyView(BaseModel):
     attempts: int
     lease_held: bool = Field(description="Whether an attempt owns the operation right now.")
     next_attempt_at: datetime = Field(description="When the recovery worker may next try it.")
-    parked: bool = Field(description="Handed to reconciliation after repeated unknown outcomes.")
+    parked: bool = Field(
+        description="Given up after unknown outcomes (at once for a legacy rail): a person or "
+        "reconciliation settles it; nobody resumes it blindly."
+    )
     last_error: str | None
     response_code: int | None
     created_at: datetime

@@ -1,13 +1,18 @@
-"""The key table's operations: claim, load, take over, advance, finish, release, park.
+"""The key table: its SQL, and the operations on it outside the hot path.
 
-Every function takes a connection that is already inside a transaction (see
-`app.db.transaction`) and never commits. Ownership is decided by the database
-alone: a claim is an INSERT that either returns a row or does not, a takeover
-is a conditional UPDATE that either returns a row or does not, and every later
-write names the lease token it was given, so a stalled owner whose lease was
-taken over updates zero rows and is stopped (`LeaseLost`). Lease times use the
-database's clock, never a replica's, so clock skew between replicas cannot make
-two of them believe they own the same request.
+Ownership is decided by the database alone: a claim is an INSERT that either
+returns a row or does not, a takeover is a conditional UPDATE that either
+returns a row or does not, and every later write names the lease token it was
+given, so a stalled owner whose lease was taken over updates zero rows and is
+stopped (`LeaseLost`). Lease times use the database's clock, never a
+replica's, so clock skew between replicas cannot make two of them believe they
+own the same request.
+
+CLAIM_SQL, ADVANCE_SQL and FINISH_SQL are the first step (the "fence") of the
+single-statement phases in app/payments/sql.py. The functions here (load,
+take_over, release, park, unpark, stranded) take a connection from
+`app.db.transaction` (inside a transaction, or as a single statement) and
+never commit.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 
 class LeaseLost(Exception):
-    """This attempt no longer owns the operation; its transaction must roll back."""
+    """This attempt no longer owns the operation: its phase wrote nothing, and it must stop."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,8 @@ _TAKE_OVER = text(
 )
 
 # The fencing check is the `lease_token = :token` in the WHERE clause: a stale
-# owner's UPDATE matches no row, and the caller rolls its phase back.
+# owner's UPDATE matches no row, so nothing that joins it is written either
+# (app/payments/sql.py), and the caller raises LeaseLost.
 ADVANCE_SQL = f"""
     UPDATE idempotency_key
        SET recovery_point = :recovery_point,

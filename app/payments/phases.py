@@ -1,11 +1,13 @@
 """The atomic phases of a payment: one function per transaction.
 
-Each phase returns the operation as it stands after its commit. The phases on
+A phase returns what the caller needs after its commit (mostly the operation
+as it now stands). The phases on
 every payment's path (handler1, record_charge, record_transfer, record_refund)
 are each a single SQL statement (app/payments/sql.py), run by
 `app.db.transaction.one_statement`; the rarer ones (take_over, park,
-settle_parked) are a few statements in a transaction (`atomic`). Either way
-the first write is the fenced write to the key row, which proves this attempt
+settle_parked) are a few statements in a transaction (`atomic`), and release
+is one fenced UPDATE. Every phase after handler1 (whose claim is its fence)
+first writes to the key row with its lease token, which proves this attempt
 still owns the operation and locks the row; if the lease was taken over,
 nothing the phase would have written is written, and `LeaseLost` is raised.
 No phase calls the network: the runner calls the PSP and the rail between

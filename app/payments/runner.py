@@ -8,7 +8,11 @@ that the recovery point names, with no transaction or pooled connection held.
 At a SENT point it knows only that the call *may* have been made. A fresh
 owner that just recorded the intent sends at once; a resumed owner probes
 first and sends (with the same derived key) only if the external system has
-no record. If the outcome stays unknown after one inline probe, it releases
+no record. A rail that cannot deduplicate (a legacy rail) is never probed
+and never sent a payout twice: a resumed owner does not send at all, and its
+first unknown outcome parks the payment for reconciliation.
+
+If the outcome stays unknown after one inline probe, it releases
 the operation at the same recovery point (the worker retries it later, with
 backoff) or, after `max_attempts`, parks it as indeterminate for
 reconciliation; either way it reports it pending: unknown is never reported

@@ -2,8 +2,8 @@
 
 Two loops share one set of services: the recovery sweep (every second or so)
 and the reconciliation schedule (which, every `reconcile_every_seconds`, tries
-to claim yesterday's window; the durable tick makes that once per window across
-all workers). SIGTERM or SIGINT stops both; in-flight work releases its leases.
+to claim each closed day of the booking horizon up to yesterday; the durable
+tick makes that once per window across all workers). SIGTERM or SIGINT stops both; in-flight work releases its leases.
 """
 
 from __future__ import annotations

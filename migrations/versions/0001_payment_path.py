@@ -76,8 +76,10 @@ def upgrade() -> None:
             request_hash      bytea NOT NULL,
             state             text NOT NULL CHECK (state IN ('started', 'finished')),
             recovery_point    text NOT NULL,
-            -- Deferred: the key row is claimed first, the payment row is created
-            -- by the same transaction a statement later.
+            -- Deferred, checked when the claiming statement ends: the key row and
+            -- its payment are inserted together, and a key row whose payment
+            -- could not be created (its reference is taken) is refused, which
+            -- rolls the whole claim back (app/payments/sql.py, HANDLER1).
             payment_id        uuid REFERENCES payment (id) DEFERRABLE INITIALLY DEFERRED,
             -- The lease: who owns the operation (a fencing token, new on every
             -- claim or takeover) and until when, by the database's clock.

@@ -15,7 +15,7 @@ depends_on = None
 
 def upgrade() -> None:
     # When Handler2 built the payout instruction: the rail books it on that
-    # day's statement, or the next one if it arrived after the cut-off.
+    # day's statement or, within its booking horizon, a later one.
     op.execute("ALTER TABLE payment ADD COLUMN payout_instructed_at timestamptz")
     op.execute(
         "CREATE INDEX payment_indeterminate ON payment (payout_instructed_at) WHERE status = 'indeterminate'"
