@@ -363,3 +363,42 @@ async def test_no_transaction_is_held_open_while_the_psp_is_called(http, stack, 
     assert in_transaction == []
     assert not first.done()
     assert (await first).status_code == 201
+
+
+async def test_a_timeout_is_answered_202_and_a_charge_that_lands_later_is_found_not_repeated(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), payment_body()
+    # The PSP holds the charge for 3 s before applying it; we give up after 2 s
+    # (PSP_TIMEOUT_SECONDS in the test stack), and our inline probe finds
+    # nothing yet: the outcome is genuinely unknown.
+    await set_faults(http, stack.psp, {"action": "delay", "reference": body["reference"], "seconds": 3})
+
+    pending = await http.post(f"{stack.api}/v1/payments", json=body, headers=headers(acme, key))
+
+    assert pending.status_code == 202 and pending.json()["status"] == "processing"
+    row = await key_row(db, acme.id, key)
+    assert row["recovery_point"] == "EXT1_SENT" and row["lease_token"] is None, "released, not failed"
+    assert "Timeout" in row["last_error"]
+    for _ in range(200):  # the PSP applies it late, as real ones do (at most 10 s here)
+        if await charges(db, body["reference"]):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        pytest.fail("the delayed charge never landed at the PSP")
+
+    finished = await post(http, stack, acme, key, body)
+
+    assert finished.status_code == 201 and finished.json()["status"] == "succeeded"
+    assert len(await charges(db, body["reference"])) == 1, "the probe found the late charge: no second one"
+    assert len(await transfers(db, body["reference"])) == 1
+
+
+async def test_a_429_before_anything_was_applied_is_retried_inline_with_the_same_key(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), payment_body()
+    await set_faults(http, stack.psp, {"action": "rate_limit", "reference": body["reference"]})
+
+    response = await post(http, stack, acme, key, body)
+
+    assert response.status_code == 201 and response.json()["status"] == "succeeded"
+    [charge] = await charges(db, body["reference"])
+    assert charge["idempotency_key"] == derived_key(acme.id, key, "ext1")
+    assert (await key_row(db, acme.id, key))["attempts"] == 1, "no release, no takeover: one attempt"
