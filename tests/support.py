@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from typing import Any
 
@@ -61,3 +63,21 @@ async def unbalanced_payments(db: asyncpg.Connection) -> list[asyncpg.Record]:
         "SELECT payment_id, sum(debit_minor) - sum(credit_minor) AS imbalance "
         "FROM ledger_entry GROUP BY payment_id HAVING sum(debit_minor) <> sum(credit_minor)"
     )
+
+
+async def until(condition, what: str, timeout: float = 30.0) -> None:
+    """Wait for a durable fact (polling the database), failing after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def claimed(db: asyncpg.Connection, client_id: int, key: str) -> None:
+    """Wait until an attempt has claimed `key` (its Handler1 committed)."""
+
+    async def exists() -> bool:
+        return await key_row(db, client_id, key) is not None
+
+    await until(exists, f"key {key!r} to be claimed")

@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import signal
-import time
 import uuid
 
 import httpx
@@ -23,7 +22,7 @@ import pytest
 
 from app.payments.crash_points import POINTS
 from tests.support import (
-    charges, headers, key_row, ledger, payment_body, payments_for, refunds, transfers, unbalanced_payments,
+    charges, claimed, headers, key_row, ledger, payment_body, payments_for, refunds, transfers, unbalanced_payments, until,
 )
 
 pytestmark = pytest.mark.usefixtures("stack")
@@ -47,15 +46,6 @@ FAST_WORKER = {"WORKER_MIN_AGE_SECONDS": "0", "WORKER_POLL_SECONDS": "0.1", "LEA
 async def test_every_crash_point_on_the_payment_path_is_covered_by_this_matrix():
     # (The reconciliation job's own crash point is exercised in tests/reconciliation.)
     assert set(LEAVES) == {point for point in POINTS if not point.startswith("reconcile")}
-
-
-async def until(condition, what: str, timeout: float = 30.0) -> None:
-    """Wait for a durable fact (polling the database), failing after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def lease_expired(db, client_id: int, key: str) -> None:
@@ -192,8 +182,7 @@ async def test_a_stalled_owner_cannot_commit_after_its_operation_was_taken_over(
     stalled = processes.api("stalled", LEASE_SECONDS="1")
     await set_faults(http, stack.psp, {"action": "delay", "reference": body["reference"], "seconds": 1})
     first = asyncio.create_task(http.post(f"{stalled.url}/v1/payments", json=body, headers=headers(acme, key)))
-    while await key_row(db, acme.id, key) is None:
-        await asyncio.sleep(0.02)
+    await claimed(db, acme.id, key)
 
     os.kill(stalled.popen.pid, signal.SIGSTOP)  # a GC pause, a frozen VM, a swapped-out process
     try:

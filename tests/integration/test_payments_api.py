@@ -16,7 +16,7 @@ import pytest
 
 from app.idempotency.keys import derived_key, end_to_end_reference
 from tests.support import (
-    charges, headers, key_row, ledger, payment_body, payments_for, refunds, transfers, unbalanced_payments,
+    charges, claimed, headers, key_row, ledger, payment_body, payments_for, refunds, transfers, unbalanced_payments,
 )
 
 pytestmark = pytest.mark.usefixtures("stack")
@@ -81,8 +81,7 @@ async def test_a_retry_while_the_first_attempt_is_in_flight_gets_409_with_retry_
     await set_faults(http, stack.psp, {"action": "delay", "reference": body["reference"], "seconds": 1.5})
     first = asyncio.create_task(post(http, stack, acme, key, body))
     # Synchronise on durable state: the first attempt has claimed the key.
-    while await key_row(db, acme.id, key) is None:
-        await asyncio.sleep(0.02)
+    await claimed(db, acme.id, key)
 
     second = await post(http, stack, acme, key, body)
 
@@ -113,8 +112,7 @@ async def test_a_different_body_is_rejected_even_while_the_first_attempt_is_in_f
     key, body = str(uuid.uuid4()), payment_body()
     await set_faults(http, stack.psp, {"action": "delay", "reference": body["reference"], "seconds": 1.5})
     first = asyncio.create_task(post(http, stack, acme, key, body))
-    while await key_row(db, acme.id, key) is None:
-        await asyncio.sleep(0.02)
+    await claimed(db, acme.id, key)
 
     reused = await post(http, stack, acme, key, body | {"currency": "GBP"})
 
@@ -350,8 +348,7 @@ async def test_no_transaction_is_held_open_while_the_psp_is_called(http, stack, 
     key, body = str(uuid.uuid4()), payment_body()
     await set_faults(http, stack.psp, {"action": "delay", "reference": body["reference"], "seconds": 1.5})
     first = asyncio.create_task(post(http, stack, acme, key, body))
-    while await key_row(db, acme.id, key) is None:
-        await asyncio.sleep(0.02)
+    await claimed(db, acme.id, key)
 
     # The API is now waiting on the PSP. Had it kept its transaction open, its
     # session would show as "idle in transaction" (holding the key row's locks).

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -19,7 +18,7 @@ import pytest
 
 from tests.conftest import LEGACY_IBAN
 from tests.support import (
-    charges, headers, key_row, ledger, payment_body, payments_for, refunds, transfers, unbalanced_payments,
+    charges, headers, key_row, ledger, payment_body, payments_for, refunds, transfers, unbalanced_payments, until,
 )
 
 BOOKING_DAYS = 3  # the default RECONCILE_BOOKING_DAYS: absent means absent from all of these
@@ -31,14 +30,6 @@ def legacy_body() -> dict:
 
 def today() -> str:
     return datetime.now(UTC).date().isoformat()
-
-
-async def until(condition, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def set_faults(http, service, *faults) -> None:
