@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Response
 
-from app.api.deps import ClientId, IdempotencyKey, ServicesDep
+from app.api.deps import Caller, ClientId, ServicesDep
 from app.api.schemas import KeyView, ProblemDoc
 from app.db.engine import ping
 from app.db.transaction import read
@@ -59,10 +59,8 @@ def _example(slug: str) -> dict[str, Any]:
         422: _problem_doc("idempotency-key-reused"),
     },
 )
-async def create_payment(
-    services: ServicesDep, client_id: ClientId, key: IdempotencyKey, body: PaymentRequest
-) -> Response:
-    reply = await submit_payment(services, client_id, key, body)
+async def create_payment(services: ServicesDep, caller: Caller, body: PaymentRequest) -> Response:
+    reply = await submit_payment(services, caller.client_id, caller.key, body, row=caller.row)
     outcome = reply.outcome
     if isinstance(outcome, Finished):
         headers = {"Idempotent-Replayed": "true"} if reply.replayed else {}

@@ -63,12 +63,12 @@ class KeyRow:
 
 
 _COLUMNS = """
-    client_id, key, endpoint, request_hash, state, recovery_point, payment_id,
-    coalesce(lease_expires_at > now(), false) AS lease_live,
-    greatest(extract(epoch FROM lease_expires_at - now()), 0)::float8 AS lease_seconds_left,
-    attempts, next_attempt_at, parked_at IS NOT NULL AS parked,
-    last_error, response_code, response_body, timeline,
-    created_at, updated_at, finished_at
+    k.client_id, k.key, k.endpoint, k.request_hash, k.state, k.recovery_point, k.payment_id,
+    coalesce(k.lease_expires_at > now(), false) AS lease_live,
+    greatest(extract(epoch FROM k.lease_expires_at - now()), 0)::float8 AS lease_seconds_left,
+    k.attempts, k.next_attempt_at, k.parked_at IS NOT NULL AS parked,
+    k.last_error, k.response_code, k.response_body, k.timeline,
+    k.created_at, k.updated_at, k.finished_at
 """
 
 # One timeline entry per state change, appended in the same UPDATE as the
@@ -94,7 +94,18 @@ CLAIM_SQL = """
     RETURNING lease_token
 """
 
-_LOAD = text(f"SELECT {_COLUMNS} FROM idempotency_key WHERE client_id = :client_id AND key = :key")
+_LOAD = text(f"SELECT {_COLUMNS} FROM idempotency_key k WHERE k.client_id = :client_id AND k.key = :key")
+
+# Who is asking, and what (if anything) they stored under this key, in one
+# read: the common retry, of a finished payment, is answered from it alone.
+_LOAD_FOR_API_KEY = text(
+    f"""
+    SELECT c.id AS caller_id, {_COLUMNS}
+      FROM client c
+      LEFT JOIN idempotency_key k ON k.client_id = c.id AND k.key = :key
+     WHERE c.api_key_hash = :api_key_hash
+    """
+)
 
 # Diagram 4 of the seed: take over only from an owner that looks dead. Of two
 # concurrent retries, the second waits for the first's row lock, re-checks the
@@ -218,6 +229,17 @@ _STRANDED = text(
 async def load(conn: AsyncConnection, client_id: int, key: str) -> KeyRow | None:
     row = (await conn.execute(_LOAD, dict(client_id=client_id, key=key))).mappings().one_or_none()
     return None if row is None else KeyRow(**row)
+
+
+async def load_for_api_key(conn: AsyncConnection, api_key_hash: bytes, key: str) -> tuple[int, KeyRow | None] | None:
+    """(the caller's client id, its row for `key` or None); None if no client has this API key."""
+    row = (await conn.execute(_LOAD_FOR_API_KEY, dict(api_key_hash=api_key_hash, key=key))).mappings().one_or_none()
+    if row is None:
+        return None
+    caller_id = row["caller_id"]
+    if row["key"] is None:
+        return caller_id, None
+    return caller_id, KeyRow(**{k: v for k, v in row.items() if k != "caller_id"})
 
 
 async def take_over(

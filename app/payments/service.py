@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from app.db.transaction import atomic, one_statement, read
 from app.idempotency import store as keys
 from app.idempotency.keys import request_fingerprint
-from app.idempotency.store import LeaseLost
+from app.idempotency.store import KeyRow, LeaseLost
 from app.payments import crash_points, phases
 from app.payments import store as payments
 from app.payments.models import PaymentRequest
@@ -39,12 +39,16 @@ class Reply:
     replayed: bool = False
 
 
-async def submit_payment(services: Services, client_id: int, key: str, request: PaymentRequest) -> Reply:
+async def submit_payment(
+    services: Services, client_id: int, key: str, request: PaymentRequest, *, row: KeyRow | None
+) -> Reply:
+    """`row` is what the client stored under `key`, read (with its authentication) just before.
+
+    Looking first means a retry of a finished payment (the common retry) is
+    answered from that one read, without touching the write path at all.
+    """
     settings = services.settings
     fingerprint = request_fingerprint("POST", "/v1/payments", request.model_dump(mode="json"))
-    # Look first: a retry of a finished payment (the common retry) is answered
-    # from this one read, without touching the write path at all.
-    row = await read(services.engine, keys.load, client_id, key)
     if row is None:
         op = await one_statement(
             services.engine,
