@@ -1,561 +1,339 @@
-"""`make bench`: how fast the exactly-once payment path is, and what each payment costs.
+"""`make bench`: what exactly-once costs, measured against the same flow without it.
 
-It starts the real system (PostgreSQL, the fake PSP, the fake rail and the
-payment API, each in its own process, as `make run` does), drives it from this
-process with N concurrent clients, and prints what it measured next to the
-machine it measured on. Every figure is there for a reason:
+The phased service (`payments api`) and its naive twin (`payments naive-api`,
+the same five steps with no keys, no phases, no fencing) run side by side on
+this machine, against the same PostgreSQL, fake PSP and fake rail. The bench
+drives each in turn with the same load and prints ratios, because only
+ratios measured in one run mean anything: runs of one configuration differ by
+15-25% from one minute to the next (../shared/PERFORMANCE.md), and a figure
+from another machine or another day is not comparable at all.
 
-new payments/s, p50 / p99 / max latency
-    The cost of the whole five-step flow: claim the key, charge the card,
-    record the charge, pay out over the rail, record the payout. Each payment
-    makes two HTTP calls and three database phases, so it can never be cheap;
-    what matters is how it moves when the code changes. p99 and max show the
-    queueing that an average hides.
+The figures, and why each matters (issue 5 sets four targets, in the "targets" table):
 
-replays/s, replay p50 / p99
-    A retry of a finished payment (same Idempotency-Key, same body) must get
-    the stored response back, byte for byte, with `Idempotent-Replayed: true`,
-    and must touch neither the PSP nor the rail. Clients retry exactly when the
-    system is struggling, so a replay has to be much cheaper than a payment:
-    a few reads, no writes. If replays/s is not many times payments/s,
-    retries will pile onto an overloaded service.
+new payments/s and p50 / p99 latency, phased vs naive, and their ratio
+    The price of safety. The phased service does more per payment (a key
+    row, leases, fencing, a stored response), so it is slower; the target
+    is at least 0.8x the twin's rate with a p99 at most 2x the twin's. p99
+    shows the queueing that a mean hides. Each figure comes from several
+    rounds; the rate's min-max over the rounds is the run-to-run spread.
+replays/s and p50 / p99 (phased only)
+    A retry of a finished payment must be answered from the stored response,
+    without touching the PSP or the rail. Clients retry when the system is
+    struggling, so a replay has to be much cheaper than a payment: the
+    target is at least 10x the new-payment rate.
+writing transactions per payment (from the WAL), and xact_commit per payment
+    See bench/costs.py: the target is 3 per payment (the twin does 5).
+CPU ms per payment, by process
+    See bench/costs.py: who spends the machine's two cores.
+the database-only ceiling (pgbench)
+    See bench/ceiling.py: our rate as a fraction of what PostgreSQL alone
+    could do with the same statements.
+exactly-once
+    See bench/checks.py: checked after every run; FAIL exits with status 1.
 
-commits per payment (and per replay)
-    `xact_commit` of the bench database in `pg_stat_database`, divided by the
-    payments (replays) made. It shows the phase design at work: the target is
-    three *writing* transactions per payment (claim + create; record charge;
-    record payout), none held open across an external call. `xact_commit`
-    counts more than that: read-only transactions too (the API key lookup,
-    stored-response reads), and the fake PSP and rail keep their records in
-    this same database, so their transactions are counted as well (2 per
-    request each: its own and asyncpg's connection reset when its pool gets
-    the connection back). So a payment shows 8 = 1 key lookup + 3 phases +
-    2 x 2 at the fakes; a replay 3. Compare runs, not the absolute number.
-    Next to it: transaction ids assigned (only a writing transaction gets
-    one: 3 of ours + 1 each at the PSP and the rail = 5 per payment, 0 per
-    replay) and WAL bytes written. Both are cluster-wide, so anything else
-    writing to the same server meanwhile is counted too.
+How it runs (about 8.5 minutes with the defaults, most of it the measured runs):
 
-CPU ms per payment
-    Per process (this load generator, the API, each fake) and for the whole
-    machine. On a small machine everything competes for the same cores; a
-    load generator that eats a core is part of the result.
+    create payments_bench and payments_bench_rails; start the fake PSP and rail
+    for each worker count (1, then 2):
+        start `payments api --workers N` and `payments naive-api --workers N`
+        for each round: phased then naive (odd rounds), naive then phased (even):
+            warm-up (not counted); the measured run; the exactly-once check;
+            idle until PostgreSQL has published its statistics
+        replays of the last phased run's finished keys: warm-up, run, check
+        stop both APIs
+    pgbench with the service's SQL (the ceiling); report; JSON
 
-exactly-once check
-    After the run, SQL over the bench database must agree with the clients:
-    every 201 has its payment row, payments = PSP charges = rail transfers, no
-    reference was charged or paid out twice, the amounts match, and every
-    payment's ledger entries balance. A fast wrong answer does not pass: the
-    bench exits non-zero on FAIL.
+Alternating the order cancels drift (a warming cache, a growing table, a
+noisy neighbour) between the variants instead of charging it to one of
+them. Everything is on one machine: the load generator and the fakes take
+their share of the CPU (the CPU table says how much), which is why the same
+code is faster on a bigger machine and why only the ratios travel.
 
-How it measures
-    Each phase (warm-up, new payments, replays) runs the clients for a fixed
-    time; a client starts a request only before the deadline and the rate is
-    taken over the time until the last one finished. Latency is that of
-    successful requests. New payments each carry a fresh key and a fresh
-    reference. Replays cycle over up to 500 keys that finished in the
-    new-payment phase. PostgreSQL 15+ may hold a backend's statistics back for
-    up to 10 s, so the bench lets the system idle 11 s before each statistics
-    reading (and calls `pg_stat_force_next_flush()`); nothing else runs in
-    the bench database meanwhile (autovacuum may add a handful).
-
-    It works in its own database, `payments_bench`, dropped and re-created on
-    every run, on the server DATABASE_URL names, else on the embedded
-    PostgreSQL (started, and stopped afterwards, if it was not running). The
-    load generator is httpx (aiohttp is not a dependency) on uvloop when
-    available; figures from different machines, or from a machine doing other
-    work, are not comparable: compare variants side by side, as ratios (see
-    PERFORMANCE.md: runs differ by +/-15-25%).
-
-Usage: `make bench` (about 90 s: warm-up, two 20 s phases, three 11 s idles),
-or `.venv/bin/python -m bench.run --duration 5 --warmup 1`.
-Results: the terminal, bench/results/bench-<UTC timestamp>.json, service logs
-in bench/results/logs/.
+Results: the terminal, bench/results/bench-<UTC timestamp>.json (every figure,
+per round too), service logs in bench/results/logs/.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
-import math
 import os
 import platform
 import signal
-import socket
-import subprocess
-import sys
 import time
-import uuid
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any, TypeVar
 
+import aiohttp
 import asyncpg
-import httpx
 import psutil
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from app import embedded_db
-from app.cli import create_client, migrate_database
-from app.config import libpq_url
+from app.clients import new_api_key
+from app.cli import create_client
+from bench import ceiling, costs, report
+from bench.checks import Check, exactly_once, replays_check
+from bench.costs import STATS_SETTLE_SECONDS, CpuMeter, Wal, WalCount
+from bench.load import Load, Paid, RunResult, latency_ms
+from bench.system import (
+    NAIVE, PHASED, RESULTS, Databases, Server, Service, apis, console, database_server, fakes, prepare_databases,
+    running,
+)
 
-BENCH_DATABASE = "payments_bench"
-RESULTS = Path(__file__).resolve().parent / "results"
-LOGS = RESULTS / "logs"
-BIN = Path(sys.executable).parent
-REPLAY_KEYS = 500
-# PostgreSQL 15+ flushes an idle backend's pending statistics within 10 s.
-STATS_SETTLE_SECONDS = 11.0
-
-console = Console()
-
-
-# --- Database -----------------------------------------------------------------
+REPLAY_KEYS = 1000
+T = TypeVar("T")
+DEFAULT_WORKERS = "1,2"
 
 
-def with_database(url: str, name: str) -> str:
-    """`url` pointing at database `name` (query parameters kept)."""
-    parts = urlsplit(libpq_url(url))
-    return urlunsplit(parts._replace(path="/" + name))
+@dataclass(frozen=True)
+class Params:
+    concurrency: int
+    duration: float
+    warmup: float
+    runs: int
+    workers: list[int]
+    replay_duration: float
+    pgbench_duration: float
 
 
-@contextmanager
-def database_server() -> Iterator[str]:
-    """A maintenance URL (database `postgres`): DATABASE_URL's server, else the embedded one."""
-    url = os.environ.get("DATABASE_URL")
-    if url:
-        console.print(f"PostgreSQL from DATABASE_URL ({urlsplit(libpq_url(url)).hostname})")
-        yield with_database(url, "postgres")
-        return
-    server = embedded_db.default_server()
-    with console.status("starting embedded PostgreSQL"):
-        started = embedded_db.start(server)
-    console.print(f"PostgreSQL (embedded) on port {server.port}" + ("" if started else ", already running"))
-    try:
-        yield server.url()
-    finally:
-        if started:
-            others = other_sessions(server.url())
-            if others:
-                # We started it, but someone (a test run?) is using it now:
-                # stopping it would break them. They, or the next user, stop it.
-                console.print(f"embedded PostgreSQL left running: {others} other sessions are connected")
+@dataclass
+class Measured:
+    """One measured run: what the clients saw, and what it cost."""
+
+    kind: str  # "phased", "naive" or "replays"
+    workers: int
+    round: int
+    warm: RunResult
+    result: RunResult
+    wal: WalCount | str = "not measured"
+    xact_delta: int | None = None
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds by process during the run
+    api_split: list[float] = field(default_factory=list)  # the API's CPU seconds by process (master, workers)
+    others: list[tuple[str, float]] = field(default_factory=list)  # the busiest processes not ours
+    checks: list[Check] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds of the bench's own time, by step
+
+    @property
+    def passed(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def to_json(self) -> dict[str, Any]:
+        n = self.result.succeeded
+        window = self.warm.succeeded + n
+        return {
+            "kind": self.kind,
+            "workers": self.workers,
+            "round": self.round,
+            "warmup": {"requests": self.warm.requests, "succeeded": self.warm.succeeded},
+            "run": self.result.summary(),
+            "wal": self.wal.to_json(n) if isinstance(self.wal, WalCount) else {"n/a": self.wal},
+            "xact_commit": {
+                "delta": self.xact_delta,
+                "operations": window,
+                "per_operation": None if self.xact_delta is None or not window else self.xact_delta / window,
+            },
+            "cpu_seconds": {k: round(v, 3) for k, v in self.cpu.items()},
+            "cpu_seconds_api_by_process": self.api_split,
+            "cpu_seconds_busiest_other_processes": dict(self.others),
+            "cpu_ms_per_operation": {k: round(v * 1000 / n, 3) if n else None for k, v in self.cpu.items()},
+            "machine_busy_percent": round(100 * self.cpu.get(costs.MACHINE, 0.0)
+                                          / (self.result.elapsed * (os.cpu_count() or 1)), 1)
+            if self.result.elapsed else None,
+            "bench_seconds": self.timings,
+            "exactly_once": {"pass": self.passed,
+                             "checks": [{"check": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks]},
+        }
+
+
+class Bench:
+    """The measured runs of one bench, on one server, with one pair of fakes."""
+
+    def __init__(self, params: Params, server: Server, dbs: Databases, psp: Service, rail: Service) -> None:
+        self.params, self.server, self.dbs, self.psp, self.rail = params, server, dbs, psp, rail
+        self.runs: list[Measured] = []
+        self.settled = 0  # xact_commit when PostgreSQL last published everything
+
+    async def __call__(self) -> dict[str, Any]:
+        self.conn = await asyncpg.connect(self.server.url)  # the `postgres` database: reading counts nothing
+        try:
+            self.wal = Wal(self.conn, self.server)
+            await self.wal.setup()
+            if self.wal.available:
+                await self.wal.learn_tables(self.dbs.service_url)
             else:
-                embedded_db.stop(server)
-                console.print("embedded PostgreSQL stopped")
-
-
-def other_sessions(server_url: str) -> int:
-    """Client connections to databases other than ours (0 if the server is unreachable)."""
-
-    async def count() -> int:
-        conn = await asyncpg.connect(server_url)
-        try:
-            return await conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' "
-                "AND pid <> pg_backend_pid() AND datname IS DISTINCT FROM $1",
-                BENCH_DATABASE,
-            )
+                console.print(f"[yellow]writing transactions per payment: n/a[/] ({self.wal.reason})")
+            self.cpu = CpuMeter(self.conn)
+            await self.cpu.setup()
+            about = await machine(self.conn)
+            for workers in self.params.workers:
+                await self.worker_count(workers)
+            ceiling_figures = await self.ceiling()
         finally:
-            await conn.close()
+            await self.wal.release()
+            await self.conn.close()
+        return {
+            "machine": about,
+            "runs": [m.to_json() for m in self.runs],
+            "pooled_latency_ms": self.pooled_latency(),
+            "ceiling": ceiling_figures,
+        }
 
-    try:
-        return asyncio.run(count())
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
-        return 0
+    def pooled_latency(self) -> dict[str, dict[str, dict[str, float | None]]]:
+        """Percentiles over all rounds' requests together, per worker count and kind."""
+        pooled: dict[str, dict[str, list[float]]] = {}
+        for m in self.runs:
+            pooled.setdefault(str(m.workers), {}).setdefault(m.kind, []).extend(m.result.latencies)
+        return {w: {kind: latency_ms(sorted(v)) for kind, v in kinds.items()} for w, kinds in pooled.items()}
 
+    async def worker_count(self, workers: int) -> None:
+        p = self.params
+        services = apis(self.dbs.service_url, self.psp, self.rail, workers)
+        with running(list(services.values())):
+            console.rule(f"{workers} worker{'s' if workers > 1 else ''} per API: "
+                         f"{p.runs} round{'s' if p.runs > 1 else ''} of {p.duration:g} s each, {p.concurrency} clients")
+            self.settled = await costs.xact_commit(self.conn)  # the APIs have not run a query yet
+            last_phased: list[Paid] = []
+            for round_ in range(1, p.runs + 1):
+                order = (PHASED, NAIVE) if round_ % 2 else (NAIVE, PHASED)
+                for variant in order:
+                    async with Load(services[variant].url, self.dbs.api_key, p.concurrency) as load:
+                        measured = await self.measure(
+                            variant, workers, round_, services[variant], load.new_payments, p.duration,
+                            lambda run, v=variant: exactly_once(
+                                v, self.dbs.service_url, self.dbs.rails_url, self.dbs.client_id, run),
+                        )
+                    if variant == PHASED:
+                        last_phased = measured.result.paid
+            replayed = last_phased[:REPLAY_KEYS]
+            if not replayed:
+                console.print("[red]no phased payment finished: nothing to replay[/]")
+                return
+            async with Load(services[PHASED].url, self.dbs.api_key, p.concurrency) as load:
+                await self.measure(
+                    "replays", workers, 0, services[PHASED],
+                    lambda duration: load.replays(replayed, duration), p.replay_duration,
+                    lambda run: replays_check(self.dbs.rails_url, run, replayed),
+                )
 
-def prepare_database(server_url: str) -> tuple[str, str]:
-    """A fresh, migrated `payments_bench` and a client in it: (url, api key)."""
-    embedded_db.create_database(server_url, BENCH_DATABASE, recreate=True)
-    url = with_database(server_url, BENCH_DATABASE)
-    migrate_database(url)
-    _, api_key = create_client(url, "bench")
-    return url, api_key
+    async def measure(
+        self, kind: str, workers: int, round_: int, api: Service,
+        drive: Callable[[float], Any], duration: float, check: Callable[[RunResult], Any],
+    ) -> Measured:
+        """Warm-up, the measured run, then (while PostgreSQL publishes its statistics) its costs and checks."""
+        def roles() -> dict[str, list[psutil.Process]]:
+            return {"API": api.tree(), "fake PSP": self.psp.tree(), "fake rail": self.rail.tree()}
 
+        label = f"[{workers}w] " + (f"round {round_} {kind}" if round_ else kind)
+        clock = [time.monotonic()]
 
-# --- Services -----------------------------------------------------------------
+        def lap() -> float:
+            clock.append(time.monotonic())
+            return round(clock[-1] - clock[-2], 2)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Service:
-    """One of the system's processes, on a free port, logging to a file."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    port: int = field(default_factory=free_port)
-    popen: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log(self) -> Path:
-        return LOGS / f"{self.name}.log"
-
-    def start(self) -> None:
-        LOGS.mkdir(parents=True, exist_ok=True)
-        with self.log.open("wb") as log:
-            self.popen = subprocess.Popen(
-                [*self.argv, "--port", str(self.port)], env=self.env, stdout=log, stderr=subprocess.STDOUT
+        with console.status(f"{label}: warm-up {self.params.warmup:g} s"):
+            warm = await drive(self.params.warmup)
+        timings = {"warm-up": lap()}
+        with console.status(f"{label}: {duration:g} s, {self.params.concurrency} clients"):
+            start_lsn = await self.wal.start()
+            before = await self.cpu.mark(roles())
+            result = await drive(duration)
+            after = await self.cpu.mark(roles())
+            end_lsn = await self.wal.end()
+        timings["run"] = lap()
+        measured = Measured(kind, workers, round_, warm, result, cpu=CpuMeter.spent(before, after),
+                            api_split=CpuMeter.split(before, after, "API"),
+                            others=CpuMeter.busiest_others(before, after))
+        with console.status(f"{label}: checking; idling {STATS_SETTLE_SECONDS:g} s for PostgreSQL's statistics"):
+            measured.wal, measured.checks = await asyncio.gather(
+                self.timed(timings, "WAL count", self.wal.count(start_lsn, end_lsn)),
+                self.timed(timings, "exactly-once check", check(result)),
             )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
+            await self.wal.release()
+            await asyncio.sleep(max(0.0, clock[-1] + STATS_SETTLE_SECONDS - time.monotonic()))
+            settled = await costs.xact_commit(self.conn)
+        timings["after the run"] = lap()
+        measured.xact_delta, self.settled = settled - self.settled, settled
+        measured.timings = timings
+        self.runs.append(measured)
+        console.print(report.progress_line(label, measured.to_json()))
+        return measured
+
+    @staticmethod
+    async def timed(timings: dict[str, float], name: str, work: Awaitable[T]) -> T:
+        started = time.monotonic()
+        try:
+            return await work
+        finally:
+            timings[name] = round(time.monotonic() - started, 2)
+
+    async def ceiling(self) -> dict[str, Any]:
+        """pgbench with the service's SQL for one payment, as a client of its own."""
+        p = self.params
+        binary = ceiling.pgbench_binary(self.server)
+        if binary is None:
+            return {"n/a": "no pgbench found (PATH, or the embedded PostgreSQL's)"}
+        api_key = new_api_key()
+        client_id, _ = await asyncio.to_thread(create_client, self.dbs.service_url, "pgbench", api_key)
+        try:
+            path, titles = await ceiling.write_script(api_key, client_id)
+        except ceiling.RecordingFailed as exc:
+            return {"n/a": f"could not record the service's statements for one payment: {exc}"}
+        threads = min(2, p.concurrency)
+        with console.status(f"pgbench: the service's SQL for one payment, {p.concurrency} connections, "
+                            f"{p.pgbench_duration:g} s"):
+            process = ceiling.run_pgbench(binary, self.dbs.service_url, p.concurrency, threads, p.pgbench_duration)
+            output = asyncio.create_task(asyncio.to_thread(process.communicate))
+            # CPU is measured in the middle of the run, while pgbench's connections exist (a
+            # backend's CPU time goes when it exits), as a rate, divided by pgbench's rate.
+            margin = min(1.0, p.pgbench_duration / 4)
+            await asyncio.sleep(margin)
             try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)  # readiness polling, bounded by the deadline
-        raise RuntimeError(f"{self.name} did not become healthy: {self.log.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        self.popen.terminate()
-        try:
-            self.popen.wait(10)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
-
-    def cpu_seconds(self) -> float:
-        assert self.popen is not None
-        times = psutil.Process(self.popen.pid).cpu_times()
-        return times.user + times.system
-
-
-@contextmanager
-def running_services(database_url: str) -> Iterator[dict[str, Service]]:
-    """fake-psp, fake-rail and the API, started in that order and always stopped."""
-    fakes_env = {**os.environ, "FAKE_RAILS_DATABASE_URL": database_url}
-    psp = Service("fake-psp", [str(BIN / "fake-psp")], fakes_env)
-    rail = Service("fake-rail", [str(BIN / "fake-rail")], fakes_env)
-    api_env = {**os.environ, "DATABASE_URL": database_url, "PSP_URL": psp.url, "RAIL_URL": rail.url}
-    api = Service("api", [str(BIN / "payments"), "api"], api_env)
-    services = {"fake PSP": psp, "fake rail": rail, "API": api}
-    try:
-        for name, service in services.items():
-            with console.status(f"starting {name}"):
-                service.start()
-        console.print(f"API {api.url}, fake PSP {psp.url}, fake rail {rail.url}; logs in {LOGS}")
-        yield services
-    finally:
-        for service in reversed(services.values()):
-            service.stop()
-
-
-# --- Load ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Paid:
-    """A payment that got its 201: what a replay must send, and get back."""
-
-    key: str
-    reference: str
-    body: bytes
-    response: bytes
-
-
-@dataclass
-class PhaseResult:
-    """What the clients saw in one timed phase."""
-
-    latencies: list[float] = field(default_factory=list)  # seconds, successful requests only
-    statuses: Counter[str] = field(default_factory=Counter)
-    paid: list[Paid] = field(default_factory=list)
-    elapsed: float = 0.0
-
-    @property
-    def succeeded(self) -> int:
-        return len(self.latencies)
-
-    @property
-    def requests(self) -> int:
-        return sum(self.statuses.values())
-
-    @property
-    def per_second(self) -> float:
-        return self.succeeded / self.elapsed if self.elapsed else 0.0
-
-    def latency_ms(self) -> dict[str, float | None]:
-        ordered = sorted(self.latencies)
-        return {
-            "p50": percentile(ordered, 0.50),
-            "p99": percentile(ordered, 0.99),
-            "max": ordered[-1] * 1000 if ordered else None,
-            "mean": sum(ordered) / len(ordered) * 1000 if ordered else None,
+                roles = {"pgbench": [psutil.Process(process.pid)]}
+            except psutil.NoSuchProcess:  # it failed at once; parse() says why
+                roles = {}
+            before, t0 = await self.cpu.mark(roles), time.monotonic()
+            await asyncio.sleep(max(0.5, p.pgbench_duration - 2 * margin))
+            after, t1 = await self.cpu.mark(roles), time.monotonic()
+            stdout, _ = await output
+        result = ceiling.parse(stdout, process.returncode, titles)
+        spent = CpuMeter.spent(before, after)
+        spent.pop(costs.LOAD_GENERATOR, None)
+        per_payment = {k: round(v / (t1 - t0) * 1000 / result.tps, 3) if result.tps else None
+                       for k, v in spent.items()}
+        figures = {
+            "binary": binary,
+            "script": str(path),
+            "clients": p.concurrency,
+            "threads": threads,
+            "duration_s": p.pgbench_duration,
+            "tps": result.tps,
+            "transactions": result.transactions,
+            "failed": result.failed,
+            "latency_ms": result.latency_ms,
+            "statement_ms": dict(result.statement_ms),
+            "cpu_ms_per_payment": per_payment,
+            "machine_busy_percent": round(100 * spent[costs.MACHINE] / ((t1 - t0) * (os.cpu_count() or 1)), 1),
+            "pgbench_client_id": client_id,
         }
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "requests": self.requests,
-            "succeeded": self.succeeded,
-            "elapsed_s": round(self.elapsed, 3),
-            "per_second": round(self.per_second, 1),
-            "latency_ms": {k: None if v is None else round(v, 2) for k, v in self.latency_ms().items()},
-            "statuses": dict(sorted(self.statuses.items())),
-        }
-
-
-def percentile(ordered: list[float], q: float) -> float | None:
-    """Nearest-rank percentile of sorted seconds, in milliseconds."""
-    if not ordered:
-        return None
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] * 1000
-
-
-def payment_body(reference: str) -> bytes:
-    return json.dumps(
-        {
-            "amount": 1250,
-            "currency": "EUR",
-            "reference": reference,
-            "card_token": "tok_visa",
-            "beneficiary": {"name": "Ada Lovelace", "iban": "DE89370400440532013000"},
-        }
-    ).encode()
-
-
-Request = Callable[[httpx.AsyncClient, PhaseResult], Awaitable[None]]
-
-
-async def run_phase(http: httpx.AsyncClient, request: Request, concurrency: int, duration: float) -> PhaseResult:
-    """`concurrency` clients, each sending `request` after `request` until the deadline."""
-    result = PhaseResult()
-    deadline = time.monotonic() + duration
-
-    async def client() -> None:
-        while time.monotonic() < deadline:
-            await request(http, result)
-
-    start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    result.elapsed = time.perf_counter() - start
-    return result
-
-
-async def new_payment(http: httpx.AsyncClient, result: PhaseResult) -> None:
-    """A payment never seen before: fresh key, fresh reference. Success is a 201."""
-    key, reference = str(uuid.uuid4()), f"bench-{uuid.uuid4().hex}"
-    body = payment_body(reference)
-    started = time.perf_counter()
-    try:
-        response = await http.post("/v1/payments", content=body, headers={"Idempotency-Key": key})
-    except httpx.HTTPError as exc:
-        result.statuses[f"error: {type(exc).__name__}"] += 1
-        return
-    elapsed = time.perf_counter() - started
-    result.statuses[str(response.status_code)] += 1
-    if response.status_code == 201:
-        result.latencies.append(elapsed)
-        result.paid.append(Paid(key, reference, body, response.content))
-
-
-def replayer(paid: list[Paid]) -> Request:
-    """Retries of finished payments, round robin. Success is the stored 201, byte for byte."""
-    cycle = itertools.cycle(paid)
-
-    async def replay(http: httpx.AsyncClient, result: PhaseResult) -> None:
-        original = next(cycle)
-        started = time.perf_counter()
-        try:
-            response = await http.post("/v1/payments", content=original.body, headers={"Idempotency-Key": original.key})
-        except httpx.HTTPError as exc:
-            result.statuses[f"error: {type(exc).__name__}"] += 1
-            return
-        elapsed = time.perf_counter() - started
-        if response.status_code != 201:
-            result.statuses[str(response.status_code)] += 1
-        elif response.headers.get("Idempotent-Replayed") != "true":
-            result.statuses["201 without Idempotent-Replayed: true (error)"] += 1
-        elif response.content != original.response:
-            result.statuses["201 with a different body (error)"] += 1
-        else:
-            result.statuses["201 replayed"] += 1
-            result.latencies.append(elapsed)
-
-    return replay
-
-
-# --- Costs: database statistics and CPU ----------------------------------------
-
-
-@dataclass(frozen=True)
-class DbStats:
-    xact_commit: int
-    next_xid: int | None  # cluster-wide
-    wal_lsn: str | None  # cluster-wide
-
-
-class StatsReader:
-    """Reads the bench database's counters from a connection to another database,
-    so that reading them does not count itself."""
-
-    def __init__(self, conn: asyncpg.Connection, version_num: int) -> None:
-        self.conn, self.version_num = conn, version_num
-
-    @property
-    def settle_seconds(self) -> float:
-        return STATS_SETTLE_SECONDS if self.version_num >= 150000 else 1.0
-
-    async def settled(self) -> DbStats:
-        """The counters once every backend has published its statistics."""
-        with console.status(f"idling {self.settle_seconds:.0f} s for PostgreSQL to publish its statistics"):
-            await asyncio.sleep(self.settle_seconds)
-        if self.version_num >= 150000:
-            await self.conn.execute("SELECT pg_stat_force_next_flush()")
-        await self.conn.execute("SELECT pg_stat_clear_snapshot()")
-        xact_commit = await self.conn.fetchval(
-            "SELECT xact_commit FROM pg_stat_database WHERE datname = $1", BENCH_DATABASE
-        )
-        next_xid = wal_lsn = None
-        if self.version_num >= 130000:
-            next_xid = await self.conn.fetchval("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
-        if not await self.conn.fetchval("SELECT pg_is_in_recovery()"):
-            wal_lsn = await self.conn.fetchval("SELECT pg_current_wal_lsn()::text")
-        return DbStats(xact_commit, next_xid, wal_lsn)
-
-    async def costs(self, before: DbStats, after: DbStats, count: int) -> dict[str, float | None]:
-        """Per-operation deltas of the counters, for `count` operations."""
-        if count == 0:
-            return {"xact_commit": None, "xids": None, "wal_bytes": None}
-        wal_bytes = None
-        if before.wal_lsn and after.wal_lsn:
-            wal_bytes = await self.conn.fetchval(
-                "SELECT pg_wal_lsn_diff($1::text::pg_lsn, $2::text::pg_lsn)::float8", after.wal_lsn, before.wal_lsn
-            )
-        xids = None if before.next_xid is None else (after.next_xid - before.next_xid) / count
-        return {
-            "xact_commit": (after.xact_commit - before.xact_commit) / count,
-            "xids": xids,
-            "wal_bytes": None if wal_bytes is None else wal_bytes / count,
-        }
-
-
-class CpuMeter:
-    """CPU seconds of each of our processes and of the whole machine, between two marks."""
-
-    def __init__(self, services: dict[str, Service]) -> None:
-        self.services = services
-
-    def mark(self) -> dict[str, float]:
-        me = psutil.Process().cpu_times()
-        machine = psutil.cpu_times()
-        marks = {"load generator": me.user + me.system}
-        marks |= {name: service.cpu_seconds() for name, service in self.services.items()}
-        marks["machine"] = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
-        return marks
-
-    @staticmethod
-    def per_operation_ms(before: dict[str, float], after: dict[str, float], count: int) -> dict[str, float | None]:
-        spent = {name: after[name] - before[name] for name in before}
-        ours = sum(v for name, v in spent.items() if name != "machine")
-        spent["PostgreSQL and the rest of the machine"] = spent["machine"] - ours
-        return {name: (v * 1000 / count if count else None) for name, v in spent.items()}
-
-    @staticmethod
-    def busy_percent(before: dict[str, float], after: dict[str, float], elapsed: float) -> float | None:
-        """How busy all the machine's CPUs were, on average, between the marks."""
-        if not elapsed:
-            return None
-        return 100 * (after["machine"] - before["machine"]) / (elapsed * (os.cpu_count() or 1))
-
-
-# --- The exactly-once check -----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    ok: bool
-    detail: str
-
-
-async def exactly_once(conn: asyncpg.Connection, paid: list[Paid], replays: PhaseResult) -> list[Check]:
-    """What the database says happened must be what exactly-once promises.
-
-    Every bench payment has a reference of its own and a card that is never
-    declined, so any second charge or transfer for a reference is a duplicate.
-    """
-
-    async def count(sql: str, *args: Any) -> int:
-        return await conn.fetchval(f"SELECT count(*) FROM ({sql}) AS x", *args)
-
-    payments = await count("SELECT 1 FROM payment")
-    charges = await count("SELECT 1 FROM fake_psp.charge")
-    transfers = await count("SELECT 1 FROM fake_rail.transfer")
-    statuses = dict(await conn.fetch("SELECT status, count(*) FROM payment GROUP BY status ORDER BY status"))
-    references = [p.reference for p in paid]
-    recorded = await count("SELECT 1 FROM payment WHERE reference = ANY($1::text[])", references)
-    charged_twice = await count("SELECT reference FROM fake_psp.charge GROUP BY reference HAVING count(*) > 1")
-    paid_out_twice = await count("SELECT reference FROM fake_rail.transfer GROUP BY reference HAVING count(*) > 1")
-    amounts_differ = await count(
-        "SELECT 1 FROM payment p JOIN fake_psp.charge c USING (reference) WHERE c.amount <> p.amount_minor "
-        "UNION ALL "
-        "SELECT 1 FROM payment p JOIN fake_rail.transfer t USING (reference) WHERE t.amount <> p.net_minor"
-    )
-    unbalanced = await count(
-        "SELECT payment_id FROM ledger_entry GROUP BY payment_id HAVING sum(debit_minor) <> sum(credit_minor)"
-    )
-    unposted = await count(
-        "SELECT 1 FROM payment p WHERE NOT EXISTS (SELECT 1 FROM ledger_entry l WHERE l.payment_id = p.id)"
-    )
-    bad_replays = sum(n for status, n in replays.statuses.items() if status != "201 replayed")
-    return [
-        Check("every 201 has its payment row", recorded == len(set(references)) == len(references),
-              f"{len(references)} answered 201, {recorded} found"),
-        Check("payments = PSP charges = rail transfers", payments == charges == transfers,
-              f"{payments} = {charges} = {transfers}; payments by status: {statuses}"),
-        Check("no reference charged twice", charged_twice == 0, f"{charged_twice} references"),
-        Check("no reference paid out twice", paid_out_twice == 0, f"{paid_out_twice} references"),
-        Check("charge and payout amounts match the payment", amounts_differ == 0, f"{amounts_differ} differ"),
-        Check("ledger balances per payment", unbalanced == 0 and unposted == 0,
-              f"{unbalanced} unbalanced, {unposted} payments without entries"),
-        Check("every replay got the stored 201 back", bad_replays == 0 and replays.succeeded > 0,
-              f"{replays.succeeded} replayed, {bad_replays} did not"),
-    ]
-
-
-# --- Machine --------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        if result.problem:
+            figures["n/a"] = result.problem
+        return figures
 
 
 async def machine(conn: asyncpg.Connection) -> dict[str, Any]:
-    settings = dict(await conn.fetch(
-        "SELECT name, setting FROM pg_settings WHERE name IN ('fsync', 'synchronous_commit', 'max_connections')"
-    ))
+    names = ["fsync", "synchronous_commit", "max_connections", "shared_buffers", "wal_level", "io_method"]
+    settings = dict(await conn.fetch("SELECT name, setting || coalesce(unit, '') FROM pg_settings "
+                                     "WHERE name = ANY($1::text[])", names))
+    model = platform.processor() or platform.machine()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
     return {
         "nproc": os.cpu_count(),
-        "cpu_model": cpu_model(),
+        "cpu_model": model,
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "load_average_1m_at_start": round(os.getloadavg()[0], 2),  # others' work shows here
         "postgresql": await conn.fetchval("SHOW server_version"),
@@ -564,179 +342,10 @@ async def machine(conn: asyncpg.Connection) -> dict[str, Any]:
     }
 
 
-# --- The benchmark ----------------------------------------------------------------
-
-
-async def benchmark(
-    server_url: str, services: dict[str, Service], api_key: str, concurrency: int, duration: float, warmup: float
-) -> dict[str, Any]:
-    maintenance = await asyncpg.connect(server_url)
-    try:
-        version_num = await maintenance.fetchval("SELECT current_setting('server_version_num')::int")
-        stats = StatsReader(maintenance, version_num)
-        about_machine = await machine(maintenance)
-        cpu = CpuMeter(services)
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
-        async with httpx.AsyncClient(
-            base_url=services["API"].url, headers=headers, limits=limits, timeout=30
-        ) as http:
-            console.print(f"warm-up: {warmup:g} s of new payments (not counted)")
-            warm = await run_phase(http, new_payment, concurrency, warmup)
-
-            before = await stats.settled()
-            console.print(f"new payments: {concurrency} clients for {duration:g} s")
-            cpu_before = cpu.mark()
-            new = await run_phase(http, new_payment, concurrency, duration)
-            cpu_after = cpu.mark()
-            after_new = await stats.settled()
-
-            replay_set = new.paid[:REPLAY_KEYS]
-            if replay_set:
-                console.print(f"replays: {concurrency} clients for {duration:g} s over {len(replay_set)} finished keys")
-                cpu_before_replays = cpu.mark()
-                replays = await run_phase(http, replayer(replay_set), concurrency, duration)
-                cpu_after_replays = cpu.mark()
-                after_replays = await stats.settled()
-            else:
-                console.print("[red]no payment finished: nothing to replay[/]")
-                replays, after_replays = PhaseResult(), after_new
-                cpu_before_replays = cpu_after_replays = cpu_after
-
-        bench_db = await asyncpg.connect(with_database(server_url, BENCH_DATABASE))
-        try:
-            checks = await exactly_once(bench_db, warm.paid + new.paid, replays)
-        finally:
-            await bench_db.close()
-        return {
-            "machine": about_machine,
-            "new_payments": new.summary(),
-            "replays": replays.summary() | {"keys": len(replay_set)},
-            "warmup": {"requests": warm.requests, "succeeded": warm.succeeded},
-            "per_payment": await stats.costs(before, after_new, new.succeeded),
-            "per_replay": await stats.costs(after_new, after_replays, replays.succeeded),
-            "cpu_ms_per_payment": cpu.per_operation_ms(cpu_before, cpu_after, new.succeeded),
-            "cpu_ms_per_replay": cpu.per_operation_ms(cpu_before_replays, cpu_after_replays, replays.succeeded),
-            "machine_busy_percent": {
-                "new_payments": cpu.busy_percent(cpu_before, cpu_after, new.elapsed),
-                "replays": cpu.busy_percent(cpu_before_replays, cpu_after_replays, replays.elapsed),
-            },
-            "exactly_once": {
-                "pass": all(c.ok for c in checks),
-                "checks": [{"check": c.name, "ok": c.ok, "detail": c.detail} for c in checks],
-            },
-        }
-    finally:
-        await maintenance.close()
-
-
-# --- Report -------------------------------------------------------------------------
-
-
-def fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
-
-
-def notes(results: dict[str, Any]) -> list[str]:
-    """What a reader must know to read the figures right."""
-    said = [
-        "Latency counts successful requests only; replays cycle over "
-        f"{results['replays']['keys']} keys paid in the new-payment phase.",
-        "commits = xact_commit of the bench database: read-only transactions count too (API key lookups, "
-        "stored-response reads), and so do the fake PSP's and rail's, which share this database "
-        "(2 per request each: its transaction and its pool's connection reset).",
-        "xids (one per writing transaction) and WAL bytes are cluster-wide. Target: 3 writing "
-        "transactions of ours + 1 each at the PSP and the rail = 5 per payment; 0 per replay.",
-    ]
-    for phase, cpu in (("payment", results["cpu_ms_per_payment"]), ("replay", results["cpu_ms_per_replay"])):
-        client, api = cpu["load generator"], cpu["API"]
-        if client is not None and api is not None and client > api:
-            said.append(
-                f"The load generator spent more CPU per {phase} ({client:.2f} ms) than the API ({api:.2f} ms) "
-                f"on a {os.cpu_count()}-CPU machine: the {phase}s/s figure is partly a measure of the client."
-            )
-    return said
-
-
-def report(results: dict[str, Any]) -> None:
-    new, rep = results["new_payments"], results["replays"]
-    per_payment, per_replay = results["per_payment"], results["per_replay"]
-    ratio = rep["per_second"] / new["per_second"] if new["per_second"] else None
-
-    figures = Table(title="Payments benchmark", title_justify="left")
-    figures.add_column("figure")
-    figures.add_column("new payments", justify="right")
-    figures.add_column("replays", justify="right")
-    figures.add_row("per second", fmt(new["per_second"]), f"{fmt(rep['per_second'])} ({fmt(ratio)}×)")
-    figures.add_row("successes", f"{new['succeeded']:,} in {new['elapsed_s']:.1f} s",
-                    f"{rep['succeeded']:,} in {rep['elapsed_s']:.1f} s")
-    for q in ("p50", "p99", "max"):
-        figures.add_row(f"latency {q} (ms)", fmt(new["latency_ms"][q]), fmt(rep["latency_ms"][q]))
-    figures.add_row(
-        "commits (xact_commit) per op", fmt(per_payment["xact_commit"], 2), fmt(per_replay["xact_commit"], 2)
-    )
-    figures.add_row("writing txns (xids) per op", fmt(per_payment["xids"], 2), fmt(per_replay["xids"], 2))
-    figures.add_row("WAL bytes per op", fmt(per_payment["wal_bytes"], 0), fmt(per_replay["wal_bytes"], 0))
-    console.print(figures)
-    for note in results["notes"]:
-        console.print(f"[dim]- {note}[/]")
-
-    busy = results["machine_busy_percent"]
-    cpu = Table(title="CPU ms per operation", title_justify="left")
-    cpu.add_column("process")
-    cpu.add_column("per payment", justify="right")
-    cpu.add_column("per replay", justify="right")
-    for name, ms in results["cpu_ms_per_payment"].items():
-        if name != "machine":
-            cpu.add_row(name, fmt(ms, 2), fmt(results["cpu_ms_per_replay"][name], 2))
-    cpu.add_row("whole machine", fmt(results["cpu_ms_per_payment"]["machine"], 2),
-                fmt(results["cpu_ms_per_replay"]["machine"], 2))
-    cpu.add_row("machine busy (all CPUs)", f"{fmt(busy['new_payments'], 0)}%", f"{fmt(busy['replays'], 0)}%")
-    console.print(cpu)
-
-    statuses = Table(title="Requests by status", title_justify="left")
-    statuses.add_column("phase")
-    statuses.add_column("status")
-    statuses.add_column("count", justify="right")
-    statuses.add_row("warm-up", "201", str(results["warmup"]["succeeded"]))
-    statuses.add_row("warm-up", "other", str(results["warmup"]["requests"] - results["warmup"]["succeeded"]))
-    for phase, data in (("new payments", new), ("replays", rep)):
-        for status, n in data["statuses"].items():
-            statuses.add_row(phase, status, str(n))
-    console.print(statuses)
-
-    m, p = results["machine"], results["parameters"]
-    setup = Table(title="Machine and parameters", title_justify="left", show_header=False)
-    setup.add_column("name")
-    setup.add_column("value")
-    pg_settings = ", ".join(f"{k}={v}" for k, v in m["postgresql_settings"].items())
-    setup.add_row(
-        "machine",
-        f"{m['nproc']} CPUs, {m['cpu_model']}, {m['memory_gib']} GiB, load {m['load_average_1m_at_start']} at start",
-    )
-    setup.add_row("PostgreSQL", f"{m['postgresql']} ({pg_settings}), {p['database']}")
-    setup.add_row(
-        "parameters",
-        f"concurrency {p['concurrency']}, duration {p['duration_s']:g} s, warm-up {p['warmup_s']:g} s",
-    )
-    setup.add_row("load generator", f"{p['load_generator']}, Python {m['python']}")
-    console.print(setup)
-
-    checks = Table(title="Exactly-once check", title_justify="left")
-    checks.add_column("check")
-    checks.add_column("result")
-    checks.add_column("detail", style="dim")
-    for c in results["exactly_once"]["checks"]:
-        checks.add_row(c["check"], "[green]ok[/]" if c["ok"] else "[red]FAIL[/]", c["detail"])
-    console.print(checks)
-    verdict = "[bold green]PASS[/]" if results["exactly_once"]["pass"] else "[bold red]FAIL[/]"
-    console.print(f"exactly-once: {verdict}")
-
-
 # --- CLI ----------------------------------------------------------------------------
 
 
-def event_loop_factory() -> tuple[Callable[[], asyncio.AbstractEventLoop] | None, str]:
+def _loop_factory() -> tuple[Callable[[], asyncio.AbstractEventLoop] | None, str]:
     try:
         import uvloop
     except ImportError:
@@ -749,19 +358,38 @@ def _interrupt(*_: object) -> None:
 
 
 def main(
-    concurrency: int = typer.Option(32, min=1, help="Concurrent clients."),
-    duration: float = typer.Option(20.0, min=0.5, help="Seconds of each measured phase (new payments, replays)."),
-    warmup: float = typer.Option(3.0, min=0.0, help="Seconds of new payments before measuring (not counted)."),
+    concurrency: int = typer.Option(32, min=1, help="Concurrent clients (and pgbench connections)."),
+    duration: float = typer.Option(20.0, min=1, help="Seconds of each measured run of new payments."),
+    warmup: float = typer.Option(3.0, min=0, help="Seconds of warm-up before each measured run (not counted)."),
+    runs: int = typer.Option(3, min=1, help="Rounds: each runs the phased service and the naive twin once."),
+    workers: str = typer.Option(DEFAULT_WORKERS, help="Worker processes per API, comma-separated (1,2)."),
+    replay_duration: float = typer.Option(20.0, min=1, help="Seconds of replays per worker count."),
+    pgbench_duration: float = typer.Option(20.0, min=1, help="Seconds of pgbench (the database-only ceiling)."),
+    quick: bool = typer.Option(
+        False, "--quick", help="A smoke run: 4 s runs, 1 s warm-up, 1 round, 1 worker (unless --workers)."
+    ),
 ) -> None:
-    """Measure new payments and replays against the real processes, then check exactly-once."""
+    """Phased service vs naive twin, side by side, with replays, costs and the database-only ceiling."""
+    if quick:  # everything short; the worker counts too, unless given
+        duration, warmup, runs, replay_duration, pgbench_duration = 4.0, 1.0, 1, 4.0, 4.0
+        workers = "1" if workers == DEFAULT_WORKERS else workers
+    try:
+        worker_counts = [int(w) for w in workers.split(",") if w.strip()]
+    except ValueError:
+        raise typer.BadParameter("--workers takes counts such as 1,2") from None
+    params = Params(concurrency, duration, warmup, runs, worker_counts, replay_duration, pgbench_duration)
     signal.signal(signal.SIGTERM, _interrupt)
     started_at = datetime.now(UTC)
-    loop_factory, loop_name = event_loop_factory()
+    clock = time.monotonic()
+    loop_factory, loop_name = _loop_factory()
     try:
-        with database_server() as server_url:
-            database_url, api_key = prepare_database(server_url)
-            with running_services(database_url) as services, asyncio.Runner(loop_factory=loop_factory) as runner:
-                results = runner.run(benchmark(server_url, services, api_key, concurrency, duration, warmup))
+        with database_server() as server:
+            dbs = prepare_databases(server)
+            psp, rail = fakes(dbs.rails_url)
+            with running([psp, rail]), asyncio.Runner(loop_factory=loop_factory) as runner:
+                console.print(f"fake PSP {psp.url}, fake rail {rail.url} (records in payments_bench_rails); "
+                              f"logs in {RESULTS / 'logs'}")
+                measured = runner.run(Bench(params, server, dbs, psp, rail)())
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]: every process started here was stopped")
         raise typer.Exit(130) from None
@@ -773,24 +401,28 @@ def main(
 
     results = {
         "timestamp": started_at.isoformat(timespec="seconds"),
+        "wall_clock_s": round(time.monotonic() - clock, 1),
         "parameters": {
             "concurrency": concurrency,
             "duration_s": duration,
             "warmup_s": warmup,
+            "rounds": runs,
+            "workers": worker_counts,
+            "replay_duration_s": replay_duration,
             "replay_keys_max": REPLAY_KEYS,
-            "database": BENCH_DATABASE
-            + (" on DATABASE_URL's server" if os.environ.get("DATABASE_URL") else " (embedded)"),
-            "load_generator": f"httpx {httpx.__version__} on {loop_name}",
+            "pgbench_duration_s": pgbench_duration,
+            "server": "DATABASE_URL's server" if os.environ.get("DATABASE_URL") else "embedded PostgreSQL",
+            "load_generator": f"aiohttp {aiohttp.__version__} on {loop_name}",
         },
-        **results,
+        **measured,
     }
-    results["notes"] = notes(results)
-    report(results)
+    results |= report.summarize(results)
+    report.print_report(results)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"bench-{started_at.strftime('%Y%m%dT%H%M%SZ')}.json"
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
     console.print(f"results: {path}")
-    if not results["exactly_once"]["pass"]:
+    if not results["exactly_once_pass"]:
         raise typer.Exit(1)
 
 

@@ -1,0 +1,371 @@
+"""What each payment costs: writing transactions, commits, WAL and CPU.
+
+writing transactions per payment (from the WAL)
+    The figure the design is about. A writing transaction is one that
+    changed a row, and so has to reach the disk (a WAL flush, an fsync) before
+    its COMMIT returns: the most expensive thing a payment does in the
+    database. The phased service should do exactly 3 per payment (Handler1
+    with the claim; the charge's outcome with Handler2; the transfer's outcome
+    with Handler3), the naive twin does 5 (each write commits on its own).
+    Counted exactly, not estimated: `pg_waldump` decodes the WAL written
+    during the run, and a transaction counts if it wrote a relation of the
+    service's database (`rel <tablespace>/<database oid>/<file>` in a record)
+    and has a COMMIT record. The fakes' database, other databases on the
+    server, catalog updates (autovacuum's ANALYZE) and read-only transactions
+    do not count. The tables each transaction wrote are listed too: a phase
+    that writes the key row, the payment and the ledger is one transaction,
+    and this is where one sees it. A temporary replication slot keeps the
+    run's WAL from being recycled by a checkpoint before it is read.
+
+xact_commit per payment (pg_stat_database)
+    Every commit in the service's database, read-only ones included (the
+    API-key lookup, the key lookup, a replay's reads): what the database
+    does per request, including work that needs no fsync. PostgreSQL 15+
+    publishes a backend's counts with up to 10 s delay once it goes idle, so
+    the bench lets the system idle 11 s after each run before it reads them;
+    the window then covers the run's warm-up and its run (both the same
+    variant), divided by the payments of both.
+
+CPU ms per payment, per process
+    On a small machine every process competes for the same cores; the
+    slowest one sets the pace. Load generator, API (the master and its
+    workers), each fake, PostgreSQL (all its processes, split into backends of
+    the service's database, of the fakes' database, background processes
+    such as the WAL writer and I/O workers, and other databases' sessions),
+    and the whole machine. Backends that exit during a run take their CPU
+    time with them; the pools keep theirs open, so that is rare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import psutil
+
+from app.embedded_db import POSTGRES_BIN_PATH
+from bench.system import RAILS_DATABASE, SERVICE_DATABASE, Server
+
+# PostgreSQL publishes an idle backend's statistics at most 10 s late.
+STATS_SETTLE_SECONDS = 11.0
+# Relations below this file number are the system catalogs (FirstNormalObjectId).
+FIRST_USER_FILENODE = 16384
+
+
+# --- Writing transactions, from the WAL ------------------------------------------------
+
+
+@dataclass
+class WalCount:
+    """The service database's writing transactions in one LSN window."""
+
+    transactions: int
+    by_tables: Counter[str]  # "idempotency_key+payment" -> transactions that wrote exactly those
+    wal_bytes: int  # the service database's records and its transactions' commits
+    fpi_bytes: int  # of which records carrying a full-page image (first change to a page after a checkpoint)
+    wal_bytes_all: int  # everything in the window, the fakes and other databases included
+
+    def to_json(self, operations: int) -> dict[str, Any]:
+        return {
+            "transactions": self.transactions,
+            "by_tables": dict(self.by_tables.most_common()),
+            "wal_bytes": self.wal_bytes,
+            "fpi_bytes": self.fpi_bytes,
+            "wal_bytes_all": self.wal_bytes_all,
+            "operations": operations,
+        }
+
+
+# rmgr: Heap  len (rec/tot):  54/ 214, tx:  107608, lsn: 0/336258E8, prev 0/33625880, desc: INSERT off: 2, ...
+_RECORD = re.compile(r"^rmgr: (\S+)\s+len \(rec/tot\):\s*\d+/\s*(\d+), tx:\s*(\d+), lsn: \S+ prev \S+ desc: (\S+)")
+_REL = re.compile(r"rel (\d+)/(\d+)/(\d+)")
+
+
+class Wal:
+    """Counts the service database's writing transactions between two LSNs.
+
+    Available when the bench can read the server's WAL directory (the server
+    runs on this machine and we may read its files, as root may) and has a
+    pg_waldump; otherwise `reason` says why not and the figure is n/a.
+    """
+
+    def __init__(self, conn: asyncpg.Connection, server: Server) -> None:
+        self.conn, self.server = conn, server
+        self.reason: str | None = None
+        self.pg_wal: Path | None = None
+        self.waldump: str | None = None
+        self.timeline = 1
+        self.database_oid = 0
+        self.tables: dict[int, str] = {}
+        self.slot: str | None = None
+
+    async def setup(self) -> None:
+        try:
+            data_dir = Path(await self.conn.fetchval("SHOW data_directory"))
+        except asyncpg.PostgresError as exc:
+            self.reason = f"the server does not tell its data directory ({exc})"
+            return
+        pg_wal = data_dir / "pg_wal"
+        if not (pg_wal.is_dir() and os.access(pg_wal, os.R_OK | os.X_OK)):
+            self.reason = f"{pg_wal} is not readable here (another machine, or not root)"
+            return
+        # pg_waldump reads only its own major version's WAL: the server's own, one on PATH, or the wheel's.
+        major = await self.conn.fetchval("SELECT current_setting('server_version_num')::int / 10000")
+        tools = [self.server.bin_dir / "pg_waldump"] if self.server.bin_dir else []
+        tools += [Path(p) for p in (shutil.which("pg_waldump"),) if p] + [POSTGRES_BIN_PATH / "pg_waldump"]
+        self.waldump = next((str(t) for t in tools if _major_version(t) == major), None)
+        if self.waldump is None:
+            self.reason = f"no pg_waldump for PostgreSQL {major} (it comes with the server packages)"
+            return
+        self.pg_wal = pg_wal
+        self.timeline = await self.conn.fetchval("SELECT timeline_id FROM pg_control_checkpoint()")
+        self.database_oid = await self.conn.fetchval("SELECT oid FROM pg_database WHERE datname = $1", SERVICE_DATABASE)
+
+    async def learn_tables(self, service_url: str) -> None:
+        """File number -> table name for the service database (indexes, TOAST and sequences under their table)."""
+        conn = await asyncpg.connect(service_url)
+        try:
+            rows = await conn.fetch(
+                """
+                SELECT pg_relation_filenode(c.oid)::bigint AS filenode,
+                       coalesce(owner.oid, c.oid) AS table_oid
+                  FROM pg_class c
+                  LEFT JOIN pg_index i ON i.indexrelid = c.oid
+                  LEFT JOIN pg_depend d ON c.relkind = 'S' AND d.classid = 'pg_class'::regclass
+                       AND d.objid = c.oid AND d.deptype IN ('a', 'i')
+                  LEFT JOIN pg_class owner ON owner.oid = coalesce(i.indrelid, d.refobjid)
+                 WHERE pg_relation_filenode(c.oid) IS NOT NULL
+                """
+            )
+            names = dict(
+                await conn.fetch(
+                    """
+                    SELECT c.oid, CASE WHEN n.nspname = 'public' THEN c.relname
+                                       ELSE n.nspname || '.' || c.relname END
+                      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                    """
+                )
+            )
+            toast_owner = dict(await conn.fetch("SELECT reltoastrelid, oid FROM pg_class WHERE reltoastrelid <> 0"))
+        finally:
+            await conn.close()
+        self.tables = {
+            r["filenode"]: names.get(toast_owner.get(r["table_oid"], r["table_oid"]), str(r["filenode"])) for r in rows
+        }
+
+    @property
+    def available(self) -> bool:
+        return self.reason is None
+
+    async def start(self) -> str | None:
+        """Keep the WAL from here on (a temporary slot), and say where here is."""
+        if not self.available:
+            return None
+        if self.slot is None:
+            slot = f"payments_bench_{os.getpid()}"
+            try:
+                await self.conn.execute("SELECT pg_create_physical_replication_slot($1, true, true)", slot)
+                self.slot = slot
+            except asyncpg.PostgresError:
+                pass  # no slots to spare: a checkpoint during the run could recycle its WAL (then n/a)
+        return await self.conn.fetchval("SELECT pg_current_wal_lsn()::text")
+
+    async def end(self) -> str | None:
+        return await self.conn.fetchval("SELECT pg_current_wal_lsn()::text") if self.available else None
+
+    async def release(self) -> None:
+        """Let the server recycle the WAL again (a temporary slot would also go with our session)."""
+        if self.slot is not None:
+            await self.conn.execute("SELECT pg_drop_replication_slot($1)", self.slot)
+            self.slot = None
+
+    async def count(self, start: str | None, end: str | None) -> WalCount | str:
+        """The window's count, or why there is none."""
+        if not self.available or start is None or end is None:
+            return self.reason or "no window"
+        return await asyncio.to_thread(self._count, start, end)
+
+    def _count(self, start: str, end: str) -> WalCount | str:
+        assert self.waldump and self.pg_wal
+        if start == end:
+            return WalCount(0, Counter(), 0, 0, 0)
+        argv = [self.waldump, "--path", str(self.pg_wal), "--timeline", str(self.timeline),
+                "--start", start, "--end", end]
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1 << 20)
+        oid = str(self.database_oid)
+        tables_of: dict[str, set[str]] = defaultdict(set)  # xid -> tables of ours it wrote
+        bytes_of: Counter[str] = Counter()  # xid -> WAL bytes
+        fpi_of: Counter[str] = Counter()  # xid -> bytes of its records with a full-page image
+        committed: set[str] = set()
+        untransacted = untransacted_fpi = all_bytes = 0  # ours without an xid (pruning, hint-bit images)
+        assert process.stdout is not None
+        for line in process.stdout:
+            m = _RECORD.match(line)
+            if m is None:
+                continue
+            rmgr, size, xid, desc = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+            all_bytes += size
+            ours = [int(f) for _, db, f in _REL.findall(line) if db == oid]
+            image = size if " FPW" in line else 0
+            if xid == "0":
+                if ours:
+                    untransacted, untransacted_fpi = untransacted + size, untransacted_fpi + image
+                continue
+            bytes_of[xid] += size
+            fpi_of[xid] += image
+            for filenode in ours:
+                if filenode >= FIRST_USER_FILENODE:
+                    tables_of[xid].add(self.tables.get(filenode, f"file {filenode}"))
+            if rmgr == "Transaction" and desc.startswith("COMMIT"):
+                committed.add(xid)
+        stderr = process.stderr.read() if process.stderr else ""
+        if process.wait() != 0:
+            return f"pg_waldump failed: {stderr.strip()[:300]}"
+        ours = [x for x in committed if tables_of.get(x)]
+        by_tables = Counter("+".join(sorted(tables_of[x])) for x in ours)
+        return WalCount(len(ours), by_tables, sum(bytes_of[x] for x in ours) + untransacted,
+                        sum(fpi_of[x] for x in ours) + untransacted_fpi, all_bytes)
+
+
+def _major_version(tool: Path) -> int | None:
+    """12 for `pg_waldump (PostgreSQL) 12.3`; None if it cannot be run."""
+    if not os.access(tool, os.X_OK):
+        return None
+    try:
+        out = subprocess.run([str(tool), "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"\) (\d+)", out)
+    return int(m.group(1)) if m else None
+
+
+# --- Commits, from the statistics -------------------------------------------------------
+
+
+async def xact_commit(conn: asyncpg.Connection) -> int:
+    """The service database's commit counter, as published (read from another database)."""
+    await conn.execute("SELECT pg_stat_clear_snapshot()")
+    return await conn.fetchval("SELECT xact_commit FROM pg_stat_database WHERE datname = $1", SERVICE_DATABASE)
+
+
+# --- CPU ---------------------------------------------------------------------------------
+
+
+LOAD_GENERATOR, MACHINE = "load generator", "whole machine"
+OTHERS = "other processes (not ours)"
+KERNEL = "kernel, exited processes"
+POSTGRES = "PostgreSQL (all processes)"
+PG_PARTS = {
+    SERVICE_DATABASE: "  service DB backends",
+    RAILS_DATABASE: "  fakes' DB backends",
+    None: "  background (WAL writer, I/O...)",
+    "other": "  other databases' sessions",
+}
+
+
+@dataclass
+class CpuMark:
+    seconds: dict[str, dict[int, float]] = field(default_factory=dict)  # role -> pid -> CPU s
+    others: dict[int, tuple[str, float]] = field(default_factory=dict)  # pid -> (name, CPU s): user processes
+    kernel: dict[int, tuple[str, float]] = field(default_factory=dict)  # the same for kernel threads
+    machine: float = 0.0
+
+
+def _cpu(process: psutil.Process) -> float | None:
+    try:
+        times = process.cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return times.user + times.system
+
+
+def _machine_busy() -> float:
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
+class CpuMeter:
+    """CPU seconds of each part of the system between two marks."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+        self.postmaster: psutil.Process | None = None
+
+    async def setup(self) -> None:
+        """Find PostgreSQL's processes: the parent of our own backend, if it runs on this machine."""
+        backend = await self.conn.fetchval("SELECT pg_backend_pid()")
+        try:
+            parent = psutil.Process(backend).parent()
+            if parent is not None and "postgres" in parent.name():
+                self.postmaster = parent
+        except psutil.Error:
+            pass
+
+    async def mark(self, roles: dict[str, list[psutil.Process]]) -> CpuMark:
+        """CPU seconds so far of this process, of each role's processes, of PostgreSQL, of the rest."""
+        mark = CpuMark()
+        mark.seconds[LOAD_GENERATOR] = {os.getpid(): _cpu(psutil.Process()) or 0.0}
+        for role, processes in roles.items():
+            mark.seconds[role] = {p.pid: s for p in processes if (s := _cpu(p)) is not None}
+        if self.postmaster is not None:
+            databases = dict(await self.conn.fetch("SELECT pid, datname FROM pg_stat_activity"))
+            for process in [self.postmaster, *self.postmaster.children()]:
+                if (seconds := _cpu(process)) is not None:
+                    part = PG_PARTS.get(databases.get(process.pid), PG_PARTS["other"])
+                    mark.seconds.setdefault(part, {})[process.pid] = seconds
+        known = {pid for pids in mark.seconds.values() for pid in pids}
+        for process in psutil.process_iter(["name", "ppid"]):
+            if process.pid not in known and (seconds := _cpu(process)) is not None:
+                # Kernel threads are children of kthreadd (pid 2): writeback, I/O completion...
+                kernel = process.info["ppid"] == 2 or process.pid == 2
+                (mark.kernel if kernel else mark.others)[process.pid] = (process.info["name"], seconds)
+        mark.machine = _machine_busy()
+        return mark
+
+    @staticmethod
+    def spent(before: CpuMark, after: CpuMark) -> dict[str, float]:
+        """CPU seconds per role between the marks, with the PostgreSQL total, the rest and the machine."""
+        spent = {
+            role: sum(s - before.seconds.get(role, {}).get(pid, 0.0) for pid, s in pids.items())
+            for role, pids in after.seconds.items()
+        }
+        parts = {k: spent.pop(k) for k in list(spent) if k in PG_PARTS.values()}
+        if parts:
+            spent[POSTGRES] = sum(parts.values())
+            spent |= {part: parts.get(part, 0.0) for part in PG_PARTS.values()}
+        machine = after.machine - before.machine
+        spent[OTHERS] = sum(CpuMeter._by_name(before.others, after.others).values())
+        spent[KERNEL] = machine - sum(v for k, v in spent.items() if k not in PG_PARTS.values())
+        spent[MACHINE] = machine
+        return spent
+
+    @staticmethod
+    def split(before: CpuMark, after: CpuMark, role: str) -> list[float]:
+        """A role's CPU seconds by process, largest first: how evenly uvicorn's workers shared the load."""
+        pids = after.seconds.get(role, {})
+        spent = [s - before.seconds.get(role, {}).get(pid, 0.0) for pid, s in pids.items()]
+        total = sum(spent)  # leaves out uvicorn's master, which only watches its workers
+        return sorted((round(s, 2) for s in spent if s > 0.02 * total), reverse=True)
+
+    @staticmethod
+    def _by_name(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> Counter[str]:
+        by_name: Counter[str] = Counter()
+        for pid, (name, seconds) in after.items():
+            previous = before.get(pid)
+            by_name[name] += seconds - (previous[1] if previous and previous[0] == name else 0.0)
+        return by_name
+
+    @staticmethod
+    def busiest_others(before: CpuMark, after: CpuMark, n: int = 5) -> list[tuple[str, float]]:
+        """The processes outside the system under test that used the most CPU between the marks."""
+        busiest = CpuMeter._by_name(before.others, after.others).most_common(n)
+        busiest += [(f"[{name}]", s) for name, s in CpuMeter._by_name(before.kernel, after.kernel).most_common(n)]
+        return [(name, round(s, 3)) for name, s in sorted(busiest, key=lambda ns: -ns[1])[:n] if s > 0]

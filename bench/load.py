@@ -1,0 +1,205 @@
+"""The load generator: N concurrent clients for a fixed time, in this process.
+
+It is as light as we can make it in Python, because on a 2-core machine it
+competes for the same CPUs as the system it measures (the CPU table shows
+what it took): aiohttp's client, one keep-alive connection per concurrent
+client, bodies from a template, uvloop when it is installed.
+
+Each client sends request after request until the deadline, never starting
+one after it; the rate is taken over the time until the last one finished,
+so no request is cut off and none is in flight when the run's figures are
+read.
+
+A session's first run (the warm-up) starts its clients 10 ms apart, so their
+keep-alive connections arrive one by one, as real clients' do. Opened in one
+burst, they often all land on whichever of uvicorn's workers woke first (the
+workers share one listening socket; a 100/0 split was seen), and `--workers 2`
+is then measured as one busy worker and one idle one for the whole run; the bench
+reports how the API's CPU was split between its workers, so a skew shows.
+
+Only the answer the test expects counts as a success, and latency is
+measured for successes only:
+
+new payment
+    a fresh Idempotency-Key (uuid4) and a fresh reference every time;
+    success is 201 Created.
+replay
+    a retry of a payment that finished: the same key and the same body
+    again, round robin over up to 1000 of them; success is the stored 201,
+    byte for byte, with `Idempotent-Replayed: true`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+PATH = "/v1/payments"
+RAMP_SECONDS = 0.01  # between the clients' first requests, in a session's first run
+_BODY = (
+    '{"amount": 1250, "currency": "EUR", "reference": "%s", "card_token": "tok_visa", '
+    '"beneficiary": {"name": "Ada Lovelace", "iban": "DE89370400440532013000"}}'
+)
+
+
+def payment_body(reference: str) -> bytes:
+    return (_BODY % reference).encode()
+
+
+@dataclass(frozen=True)
+class Paid:
+    """A payment that got its 201: what a replay must send, and get back."""
+
+    key: str
+    reference: str
+    body: bytes
+    response: bytes
+
+
+@dataclass
+class RunResult:
+    """What the clients saw in one timed run."""
+
+    latencies: list[float] = field(default_factory=list)  # seconds, successes only
+    statuses: Counter[str] = field(default_factory=Counter)
+    paid: list[Paid] = field(default_factory=list)  # new payments that got their 201
+    references: list[str] = field(default_factory=list)  # every new payment sent, answered or not
+    elapsed: float = 0.0
+
+    @property
+    def succeeded(self) -> int:
+        return len(self.latencies)
+
+    @property
+    def requests(self) -> int:
+        return sum(self.statuses.values())
+
+    @property
+    def per_second(self) -> float:
+        return self.succeeded / self.elapsed if self.elapsed else 0.0
+
+    @property
+    def failed(self) -> int:
+        return self.requests - self.succeeded
+
+    def summary(self) -> dict[str, Any]:
+        ordered = sorted(self.latencies)
+        return {
+            "requests": self.requests,
+            "succeeded": self.succeeded,
+            "elapsed_s": round(self.elapsed, 3),
+            "per_second": round(self.per_second, 1),
+            "latency_ms": latency_ms(ordered),
+            "statuses": dict(sorted(self.statuses.items())),
+        }
+
+
+def percentile(ordered: list[float], q: float) -> float | None:
+    """Nearest-rank percentile of sorted seconds, in milliseconds."""
+    if not ordered:
+        return None
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] * 1000
+
+
+def latency_ms(ordered: list[float]) -> dict[str, float | None]:
+    figures = {
+        "p50": percentile(ordered, 0.50),
+        "p99": percentile(ordered, 0.99),
+        "max": ordered[-1] * 1000 if ordered else None,
+        "mean": sum(ordered) / len(ordered) * 1000 if ordered else None,
+    }
+    return {k: None if v is None else round(v, 2) for k, v in figures.items()}
+
+
+Request = Callable[[RunResult], Awaitable[None]]
+
+
+class Load:
+    """`concurrency` clients against one API, over one aiohttp session."""
+
+    def __init__(self, base_url: str, api_key: str, concurrency: int) -> None:
+        self.base_url, self.api_key, self.concurrency = base_url, api_key, concurrency
+        self.connected = False  # whether the clients' connections are open (after the first run)
+
+    async def __aenter__(self) -> Load:
+        self.session = aiohttp.ClientSession(
+            base_url=self.base_url,
+            connector=aiohttp.TCPConnector(limit=self.concurrency),
+            headers={"Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=60),
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.session.close()
+
+    async def run(self, request: Request, duration: float) -> RunResult:
+        """Every client sends `request` after `request` until the deadline."""
+        result = RunResult()
+        deadline = time.monotonic() + duration
+
+        async def client(number: int) -> None:
+            if not self.connected:
+                await asyncio.sleep(number * RAMP_SECONDS)
+            while time.monotonic() < deadline:
+                await request(result)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client(n) for n in range(self.concurrency)))
+        result.elapsed = time.perf_counter() - started
+        self.connected = True
+        return result
+
+    async def _post(self, key: str, body: bytes) -> tuple[str | int, bool, bytes, float]:
+        """(status or error, Idempotent-Replayed?, body, seconds)."""
+        started = time.perf_counter()
+        try:
+            async with self.session.post(PATH, data=body, headers={"Idempotency-Key": key}) as response:
+                content = await response.read()
+                replayed = response.headers.get("Idempotent-Replayed") == "true"
+                return response.status, replayed, content, time.perf_counter() - started
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return f"error: {type(exc).__name__}", False, b"", time.perf_counter() - started
+
+    async def new_payment(self, result: RunResult) -> None:
+        key, reference = str(uuid.uuid4()), f"bench-{uuid.uuid4().hex}"
+        body = payment_body(reference)
+        result.references.append(reference)
+        status, _, content, elapsed = await self._post(key, body)
+        result.statuses[str(status)] += 1
+        if status == 201:
+            result.latencies.append(elapsed)
+            result.paid.append(Paid(key, reference, body, content))
+
+    def replayer(self, paid: list[Paid]) -> Request:
+        cycle = itertools.cycle(paid)
+
+        async def replay(result: RunResult) -> None:
+            original = next(cycle)
+            status, replayed, content, elapsed = await self._post(original.key, original.body)
+            if status != 201:
+                result.statuses[str(status)] += 1
+            elif not replayed:
+                result.statuses["201 without Idempotent-Replayed: true (wrong)"] += 1
+            elif content != original.response:
+                result.statuses["201 with a different body (wrong)"] += 1
+            else:
+                result.statuses["201 replayed"] += 1
+                result.latencies.append(elapsed)
+
+        return replay
+
+    async def new_payments(self, duration: float) -> RunResult:
+        return await self.run(self.new_payment, duration)
+
+    async def replays(self, paid: list[Paid], duration: float) -> RunResult:
+        return await self.run(self.replayer(paid), duration)

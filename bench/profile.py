@@ -1,0 +1,167 @@
+"""Where an API process spends its CPU under the bench's load: py-spy, summarised.
+
+    .venv/bin/python -m bench.profile [--variant phased|naive] [--replays] [--duration 10] [--workers 1]
+
+Starts the same system as `make bench` (its own databases, the fakes, one
+API), drives it with the bench's load generator, and meanwhile samples the
+API's Python stacks with py-spy (`record --format raw`, 100 Hz, busy threads
+only, so samples are CPU time). py-spy needs to attach to another process
+(root, or ptrace allowed). It then prints:
+
+by package, self
+    where the samples were when they were taken: the code that burned the
+    CPU (a sample in asyncpg's protocol is asyncpg's cost, even when
+    SQLAlchemy called it).
+by package, anywhere on the stack
+    how much of the CPU ran under each package (a sample counts once for
+    every package on its stack): "SQLAlchemy was involved in 60% of it".
+by file and by function, self
+    the hot spots themselves.
+
+The figures are for one run on one machine; compare them with a profile of
+the other variant, or of the same code before a change, taken the same way.
+The raw stacks are kept in bench/results/ for flame graphs (e.g. speedscope).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import subprocess
+from collections import Counter
+from datetime import UTC, datetime
+
+import typer
+from rich.table import Table
+
+from bench.load import Load
+from bench.system import (
+    BIN, NAIVE, PHASED, RESULTS, apis, console, database_server, fakes, prepare_databases, running,
+)
+
+_FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
+
+
+def package_of(path: str) -> str:
+    """A frame's file as a package: `sqlalchemy`, `asyncio`, `app.payments`, `threading`...
+
+    py-spy names files relative to their sys.path entry (`asyncpg/protocol.py`,
+    `app/payments/phases.py`), so the first component is the package; ours are
+    split one level further.
+    """
+    parts = path.split("site-packages/")[-1].split("/")
+    if parts[0] in ("app", "naive_twin", "fake_rails", "bench") and len(parts) > 2:
+        return f"{parts[0]}.{parts[1]}"
+    return parts[0].removesuffix(".py") or "?"
+
+
+def summarise(raw: str) -> dict[str, list[tuple[str, float]]]:
+    """py-spy's raw (collapsed) stacks -> shares of all samples, by package and by hot spot."""
+    self_package: Counter[str] = Counter()
+    any_package: Counter[str] = Counter()
+    self_file: Counter[str] = Counter()
+    self_function: Counter[str] = Counter()
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = [_FRAME.match(f) for f in stack.split(";")]
+        frames = [f for f in frames if f]
+        if not frames:
+            continue
+        total += count
+        leaf = frames[-1]
+        package = package_of(leaf["file"])
+        self_package[package] += count
+        self_file[leaf["file"].split("site-packages/")[-1]] += count
+        self_function[f"{leaf['function']} ({package})"] += count
+        for name in {package_of(f["file"]) for f in frames}:
+            any_package[name] += count
+
+    def shares(counter: Counter[str], n: int) -> list[tuple[str, float]]:
+        return [(name, round(100 * c / total, 1)) for name, c in counter.most_common(n)] if total else []
+
+    # Packages under every sample (the entry point, uvicorn's loop) say nothing.
+    everywhere = {name for name, c in any_package.items() if c >= 0.6 * total and name not in self_package}
+    for name in everywhere | {"payments", "typer", "runpy", "<frozen runpy>"}:
+        any_package.pop(name, None)
+
+    return {
+        "samples": [("total", float(total))],
+        "self_by_package": shares(self_package, 15),
+        "anywhere_by_package": shares(any_package, 15),
+        "self_by_file": shares(self_file, 15),
+        "self_by_function": shares(self_function, 15),
+    }
+
+
+def print_summary(summary: dict[str, list[tuple[str, float]]], title: str) -> None:
+    console.print(f"[bold]{title}[/]: {int(summary['samples'][0][1])} samples")
+    for key, heading in (("self_by_package", "by package, self"),
+                         ("anywhere_by_package", "by package, anywhere on the stack"),
+                         ("self_by_file", "by file, self"),
+                         ("self_by_function", "by function, self")):
+        table = Table(title=heading, title_justify="left")
+        table.add_column("where")
+        table.add_column("% of samples", justify="right")
+        for name, share in summary[key]:
+            table.add_row(name, f"{share:.1f}")
+        console.print(table)
+
+
+def main(
+    variant: str = typer.Option(PHASED, help="phased or naive."),
+    replays: bool = typer.Option(False, "--replays", help="Profile replays of finished payments (phased only)."),
+    duration: float = typer.Option(10.0, min=1, help="Seconds of sampling."),
+    warmup: float = typer.Option(3.0, min=0, help="Seconds of load before sampling starts."),
+    concurrency: int = typer.Option(32, min=1),
+    workers: int = typer.Option(1, min=1, help="Worker processes (>1: every worker is sampled)."),
+) -> None:
+    """Profile one API under the bench's load with py-spy, and summarise where its CPU goes."""
+    if variant not in (PHASED, NAIVE) or (replays and variant != PHASED):
+        raise typer.BadParameter("--variant is phased or naive; --replays needs phased")
+    py_spy = shutil.which("py-spy") or str(BIN / "py-spy")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    output = RESULTS / f"profile-{variant}{'-replays' if replays else ''}-{stamp}.txt"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with database_server() as server:
+        dbs = prepare_databases(server)
+        psp, rail = fakes(dbs.rails_url)
+        api = apis(dbs.service_url, psp, rail, workers)[variant]
+        with running([psp, rail, api]):
+
+            async def go() -> tuple[int, int]:
+                async with Load(api.url, dbs.api_key, concurrency) as load:
+                    paid = (await load.new_payments(max(warmup, 2.0 if replays else 0.0))).paid[:1000]
+
+                    def drive(seconds: float):
+                        return load.replays(paid, seconds) if replays else load.new_payments(seconds)
+
+                    argv = [py_spy, "record", "--format", "raw", "--rate", "100", "--nonblocking",
+                            "--duration", str(round(duration)), "--output", str(output), "--pid", str(api.pid)]
+                    if workers > 1:
+                        argv.append("--subprocesses")
+                    spy = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.DEVNULL,
+                                                               stderr=subprocess.PIPE)
+                    result = await drive(duration + 2)
+                    _, stderr = await spy.communicate()
+                    if spy.returncode != 0:
+                        console.print(f"[red]py-spy failed[/]: {stderr.decode()[-500:]}")
+                    return result.succeeded, spy.returncode or 0
+
+            done, rc = asyncio.run(go())
+    if rc != 0 or not output.exists():
+        raise typer.Exit(1)
+    summary = summarise(output.read_text())
+    what = f"{variant} API ({workers}w), {'replays' if replays else 'new payments'}"
+    print_summary(summary, f"{what}: {done} answered in {duration + 2:g} s")
+    output.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    console.print(f"raw stacks: {output}; summary: {output.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,379 @@
+"""The bench's figures, summarised per worker count, checked against the targets, printed.
+
+Everything here reads the results dictionary that is also written as JSON,
+so a saved result can be printed again (`python -m bench.report FILE`).
+
+Rates are the mean over rounds, with the min-max over rounds beside them: the
+run-to-run spread, which says how much a difference between two figures can
+be trusted (PERFORMANCE.md: under 1.3x is noise across separate runs; the
+variants here are measured in alternation, which is why their ratio is the
+figure to quote). Latency percentiles are over all rounds' requests pooled.
+Costs per payment are totals over all rounds divided by all payments.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from statistics import mean
+from typing import Any
+
+from rich.table import Table
+
+from bench.costs import LOAD_GENERATOR, MACHINE, OTHERS, PG_PARTS
+from bench.system import console
+
+KINDS = ("phased", "naive")
+TARGETS = {
+    "rate": ("payments/s: phased ÷ naive", ">=", 0.8, "×"),
+    "replays": ("replays/s ÷ new payments/s", ">=", 10.0, "×"),
+    "writes": ("writing transactions per payment", "==", 3.0, ""),
+    "p99": ("p99 latency: phased ÷ naive", "<=", 2.0, "×"),
+}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _per(total: float | None, n: int, scale: float = 1.0) -> float | None:
+    return None if total is None or not n else total * scale / n
+
+
+def summarize_kind(runs: list[dict[str, Any]], latency: dict[str, Any]) -> dict[str, Any]:
+    """One variant (or the replays) at one worker count, over its rounds."""
+    rates = [r["run"]["per_second"] for r in runs]
+    n = sum(r["run"]["succeeded"] for r in runs)
+    walled = [r["wal"] for r in runs if "n/a" not in r["wal"]]
+    by_tables: dict[str, float] = {}
+    for w in walled:
+        for tables, count in w["by_tables"].items():
+            by_tables[tables] = by_tables.get(tables, 0) + count
+    wal_n = sum(w["operations"] for w in walled)
+    xact = [r["xact_commit"] for r in runs if r["xact_commit"]["delta"] is not None]
+    cpu: dict[str, float] = {}
+    for r in runs:
+        for role, seconds in r["cpu_seconds"].items():
+            cpu[role] = cpu.get(role, 0.0) + seconds
+    complete = len(walled) == len(runs)
+    return {
+        "rounds": len(runs),
+        "per_second": {"mean": mean(rates), "min": min(rates), "max": max(rates), "per_round": rates},
+        "succeeded": n,
+        "not_201": sum(r["run"]["requests"] - r["run"]["succeeded"] for r in runs),
+        "latency_ms": latency,
+        "writing_txns": _per(sum(w["transactions"] for w in walled), wal_n) if complete else None,
+        "writing_txns_n/a": None if complete else next(r["wal"]["n/a"] for r in runs if "n/a" in r["wal"]),
+        "writing_txns_by_tables": {k: round(v / wal_n, 3) for k, v in sorted(by_tables.items(), key=lambda kv: -kv[1])}
+        if wal_n else {},
+        "wal_bytes": _per(sum(w["wal_bytes"] for w in walled), wal_n) if complete else None,
+        "fpi_bytes": _per(sum(w["fpi_bytes"] for w in walled), wal_n) if complete else None,
+        "wal_bytes_all": _per(sum(w["wal_bytes_all"] for w in walled), wal_n) if complete else None,
+        "xact_commit": _per(sum(x["delta"] for x in xact), sum(x["operations"] for x in xact)),
+        "cpu_ms": {role: _per(seconds, n, 1000) for role, seconds in cpu.items()},
+        "machine_busy_percent": mean(r["machine_busy_percent"] or 0 for r in runs),
+        "api_split_percent": [_split(r["cpu_seconds_api_by_process"]) for r in runs],
+        "exactly_once": all(r["exactly_once"]["pass"] for r in runs),
+    }
+
+
+def _split(seconds: list[float]) -> str:
+    """How the API's CPU was shared by its processes, e.g. "62/38"."""
+    total = sum(seconds)
+    return "/".join(f"{100 * s / total:.0f}" for s in seconds) if total else "-"
+
+
+def _target(key: str, value: float | None) -> dict[str, Any]:
+    name, op, goal, unit = TARGETS[key]
+    goal_text = f"{op.replace('==', '=')} {goal:g}{unit}"
+    if value is None:
+        return {"target": name, "goal": goal_text, "value": None, "met": None, "verdict": "n/a"}
+    if op == ">=":
+        met, gap = value >= goal, (goal - value) / goal
+        verdict = "met" if met else f"missed: {gap:.0%} short"
+    elif op == "<=":
+        met, gap = value <= goal, (value - goal) / goal
+        verdict = "met" if met else f"missed: {gap:.0%} over"
+    else:
+        met = abs(value - goal) < 0.005
+        verdict = "met" if met else f"missed: {value - goal:+.2f}"
+    return {"target": name, "goal": goal_text, "value": value, "met": met, "verdict": verdict}
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    blocks = []
+    for workers in results["parameters"]["workers"]:
+        runs = [r for r in results["runs"] if r["workers"] == workers]
+        if not runs:
+            continue
+        latency = results["pooled_latency_ms"].get(str(workers), {})
+        kinds = {
+            kind: summarize_kind(of_kind, latency.get(kind, {}))
+            for kind in (*KINDS, "replays")
+            if (of_kind := [r for r in runs if r["kind"] == kind])
+        }
+        phased, naive, replays = kinds.get("phased"), kinds.get("naive"), kinds.get("replays")
+        rate = _ratio(phased and phased["per_second"]["mean"], naive and naive["per_second"]["mean"])
+        per_round = [
+            _ratio(p["run"]["per_second"], q["run"]["per_second"])
+            for p in runs if p["kind"] == "phased"
+            for q in runs if q["kind"] == "naive" and q["round"] == p["round"]
+        ]
+        p99 = _ratio(phased and phased["latency_ms"].get("p99"), naive and naive["latency_ms"].get("p99"))
+        replay_ratio = _ratio(replays and replays["per_second"]["mean"], phased and phased["per_second"]["mean"])
+        ceiling_tps = results["ceiling"].get("tps")
+        blocks.append({
+            "workers": workers,
+            **kinds,
+            "ratio": {
+                "per_second": rate,
+                "per_second_per_round": per_round,
+                "p50": _ratio(phased and phased["latency_ms"].get("p50"), naive and naive["latency_ms"].get("p50")),
+                "p99": p99,
+                "replays_to_new": replay_ratio,
+                "of_ceiling": _ratio(phased and phased["per_second"]["mean"], ceiling_tps),
+            },
+            "targets": [
+                _target("rate", rate),
+                _target("replays", replay_ratio),
+                _target("writes", phased and phased["writing_txns"]),
+                _target("p99", p99),
+            ],
+        })
+    return {
+        "blocks": blocks,
+        "exactly_once_pass": all(r["exactly_once"]["pass"] for r in results["runs"]) and bool(results["runs"]),
+    }
+
+
+# --- Printing --------------------------------------------------------------------------
+
+
+def fmt(value: float | None, digits: int = 1, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}{unit}"
+
+
+def _rate(kind: dict[str, Any] | None) -> str:
+    if not kind:
+        return "-"
+    r = kind["per_second"]
+    return f"{fmt(r['mean'], 0)} ({fmt(r['min'], 0)}–{fmt(r['max'], 0)})" if kind["rounds"] > 1 else fmt(r["mean"], 0)
+
+
+def progress_line(label: str, run: dict[str, Any]) -> str:
+    r = run["run"]
+    lat = r["latency_ms"]
+    wal = run["wal"]
+    writes = "n/a" if "n/a" in wal else fmt(_per(wal["transactions"], wal["operations"]), 2)
+    verdict = "[green]ok[/]" if run["exactly_once"]["pass"] else "[bold red]FAIL[/]"
+    unit = "replays" if run["kind"] == "replays" else "payments"
+    other = f", [yellow]{r['requests'] - r['succeeded']} not 201[/]" if r["requests"] > r["succeeded"] else ""
+    return (f"{label}: {fmt(r['per_second'], 0)} {unit}/s, p50 {fmt(lat['p50'])} ms, p99 {fmt(lat['p99'])} ms, "
+            f"{writes} writing txns each, busy {fmt(run['machine_busy_percent'], 0)}%{other}; exactly-once {verdict}")
+
+
+def _cpu_rows(table: Table, columns: list[dict[str, Any] | None], unit: str) -> None:
+    roles: list[str] = []
+    for kind in columns:
+        for role in (kind or {}).get("cpu_ms", {}):
+            if role not in roles:
+                roles.append(role)
+    for role in roles:
+        label = f"CPU ms per {unit}: {role.strip()}" if not role.startswith("  ") else f"    {role.strip()}"
+        table.add_row(label, *[fmt((k or {}).get("cpu_ms", {}).get(role), 2) for k in columns], "")
+
+
+def print_block(results: dict[str, Any], block: dict[str, Any]) -> None:
+    w = block["workers"]
+    p = results["parameters"]
+    phased, naive, replays, ratio = block.get("phased"), block.get("naive"), block.get("replays"), block["ratio"]
+    table = Table(
+        title=f"{w} worker{'s' if w > 1 else ''} per API: phased service vs naive twin — {p['concurrency']} clients, "
+              f"{p['rounds']} round{'s' if p['rounds'] > 1 else ''} × {p['duration_s']:g} s, alternating",
+        title_justify="left",
+    )
+    table.add_column("figure")
+    table.add_column("phased", justify="right")
+    table.add_column("naive", justify="right")
+    table.add_column("phased ÷ naive", justify="right")
+    per_round = [r for r in ratio["per_second_per_round"] if r is not None]
+    spread = f" ({min(per_round):.2f}–{max(per_round):.2f})" if len(per_round) > 1 else ""
+    table.add_row("new payments/s: mean (min–max)", _rate(phased), _rate(naive),
+                  fmt(ratio["per_second"], 2, "×") + spread)
+    for q in ("p50", "p99"):
+        table.add_row(f"latency {q} (ms)", fmt((phased or {}).get("latency_ms", {}).get(q)),
+                      fmt((naive or {}).get("latency_ms", {}).get(q)), fmt(ratio[q], 2, "×"))
+    table.add_row("writing transactions per payment (WAL)", fmt((phased or {}).get("writing_txns"), 2),
+                  fmt((naive or {}).get("writing_txns"), 2), "")
+    table.add_row("WAL bytes per payment (of which page images)",
+                  *[f"{fmt(k.get('wal_bytes'), 0)} ({fmt(k.get('fpi_bytes'), 0)})" if k else "-"
+                    for k in (phased, naive)], "")
+    table.add_row("xact_commit per payment (read-only too)", fmt((phased or {}).get("xact_commit"), 2),
+                  fmt((naive or {}).get("xact_commit"), 2), "")
+    _cpu_rows(table, [phased, naive], "payment")
+    table.add_row("machine busy (both CPUs = 100%)", fmt((phased or {}).get("machine_busy_percent"), 0, "%"),
+                  fmt((naive or {}).get("machine_busy_percent"), 0, "%"), "")
+    if w > 1:
+        table.add_row("API CPU % by worker, per round", *[", ".join((k or {}).get("api_split_percent", []))
+                                                          for k in (phased, naive)], "")
+    table.add_row("requests not answered 201", str((phased or {}).get("not_201", "-")),
+                  str((naive or {}).get("not_201", "-")), "")
+    table.add_row("exactly-once, every round", *[_pass(k) for k in (phased, naive)], "")
+    console.print(table)
+    for kind in (phased, naive):
+        if kind and kind["writing_txns"] is None and kind["writing_txns_n/a"]:
+            console.print(f"[yellow]writing transactions per payment: n/a ({kind['writing_txns_n/a']})[/]")
+            break
+
+    shapes = Table(title=f"{w}w: writing transactions per payment, by the tables each one wrote (from the WAL)",
+                   title_justify="left")
+    shapes.add_column("tables written in one transaction")
+    shapes.add_column("phased", justify="right")
+    shapes.add_column("naive", justify="right")
+    names = list(dict.fromkeys([*(phased or {}).get("writing_txns_by_tables", {}),
+                                *(naive or {}).get("writing_txns_by_tables", {})]))
+    for name in names:
+        shapes.add_row(name.replace("+", " + "),
+                       *[fmt(v, 2) if (v := (k or {}).get("writing_txns_by_tables", {}).get(name)) else "–"
+                         for k in (phased, naive)])
+    if names:
+        console.print(shapes)
+
+    if replays:
+        rt = Table(title=f"{w}w: replays of finished payments (phased service, "
+                         f"{p['replay_duration_s']:g} s, up to {p['replay_keys_max']} keys round robin)",
+                   title_justify="left")
+        rt.add_column("figure")
+        rt.add_column("replays", justify="right")
+        rt.add_column("", justify="right")
+        rt.add_row("replays/s", fmt(replays["per_second"]["mean"], 0),
+                   f"{fmt(ratio['replays_to_new'], 1, '×')} new payments/s")
+        for q in ("p50", "p99"):
+            rt.add_row(f"latency {q} (ms)", fmt(replays["latency_ms"].get(q), 2), "")
+        rt.add_row("writing transactions per replay (WAL)", fmt(replays["writing_txns"], 3), "")
+        rt.add_row("xact_commit per replay (read-only too)", fmt(replays["xact_commit"], 2), "")
+        _cpu_rows(rt, [replays], "replay")
+        rt.add_row("machine busy", fmt(replays["machine_busy_percent"], 0, "%"), "")
+        if w > 1:
+            rt.add_row("API CPU % by worker", ", ".join(replays["api_split_percent"]), "")
+        rt.add_row("exactly-once (byte-identical, nothing charged)", _pass(replays), "")
+        console.print(rt)
+
+
+def _pass(kind: dict[str, Any] | None) -> str:
+    if not kind:
+        return "-"
+    return f"[green]PASS[/] ({kind['rounds']})" if kind["exactly_once"] else "[bold red]FAIL[/]"
+
+
+def print_ceiling(results: dict[str, Any]) -> None:
+    c = results["ceiling"]
+    table = Table(title="The database-only ceiling: the service's SQL for one payment in pgbench (no Python, no HTTP)",
+                  title_justify="left")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    if "tps" not in c or c.get("tps") is None:
+        table.add_row("payments/s the database alone could do", f"n/a: {c.get('n/a')}")
+        console.print(table)
+        return
+    table.add_row(f"payments/s the database alone could do ({c['clients']} connections, {c['duration_s']:g} s)",
+                  fmt(c["tps"], 0))
+    for block in results["blocks"]:
+        phased = block.get("phased")
+        if phased:
+            table.add_row(f"phased service, {block['workers']}w: payments/s and fraction of that",
+                          f"{fmt(phased['per_second']['mean'], 0)} = {fmt(block['ratio']['of_ceiling'], 2)}")
+    for title, ms in c["statement_ms"].items():
+        table.add_row(f"  pgbench latency: {title}", f"{ms:.2f} ms")
+    for role, ms in c["cpu_ms_per_payment"].items():
+        if role != LOAD_GENERATOR:
+            table.add_row(f"  CPU ms per payment: {role.strip()}", fmt(ms, 3))
+    table.add_row("  machine busy during pgbench", fmt(c.get("machine_busy_percent"), 0, "%"))
+    table.add_row("  failed transactions", str(c["failed"]))
+    console.print(table)
+
+
+def print_targets(results: dict[str, Any]) -> None:
+    table = Table(title="Targets (issue 5), each measured as a ratio in this run", title_justify="left")
+    table.add_column("workers")
+    table.add_column("target")
+    table.add_column("goal", justify="right")
+    table.add_column("measured", justify="right")
+    table.add_column("verdict")
+    for block in results["blocks"]:
+        for t in block["targets"]:
+            colour = "green" if t["met"] else "red" if t["met"] is False else "yellow"
+            table.add_row(str(block["workers"]), t["target"], t["goal"], fmt(t["value"], 2),
+                          f"[{colour}]{t['verdict']}[/]")
+    console.print(table)
+
+
+def print_setup(results: dict[str, Any]) -> None:
+    m, p = results["machine"], results["parameters"]
+    table = Table(title="Machine and parameters", title_justify="left", show_header=False)
+    table.add_column("name")
+    table.add_column("value")
+    settings = ", ".join(f"{k}={v}" for k, v in m["postgresql_settings"].items())
+    table.add_row("machine", f"{m['nproc']} CPUs ({m['cpu_model']}), {m['memory_gib']} GiB, "
+                             f"load {m['load_average_1m_at_start']} at start; everything on this machine")
+    table.add_row("PostgreSQL", f"{m['postgresql']} ({p['server']}; {settings})")
+    table.add_row("runs", f"{p['concurrency']} clients; per worker count ({', '.join(map(str, p['workers']))}): "
+                          f"{p['rounds']} rounds × (phased, naive), each {p['warmup_s']:g} s warm-up + "
+                          f"{p['duration_s']:g} s; replays {p['replay_duration_s']:g} s; "
+                          f"pgbench {p['pgbench_duration_s']:g} s; {results.get('wall_clock_s', 0):.0f} s in all")
+    table.add_row("load generator", f"{p['load_generator']}, Python {m['python']}, in the bench's own process")
+    console.print(table)
+
+
+NOTES = [
+    "writing transactions: transactions that wrote a table of payments_bench and committed, decoded from the WAL "
+    "(pg_waldump). Target 3 for the phased service; the naive twin commits each of its 5 writes on its own.",
+    "xact_commit counts read-only transactions too (the lookup of the caller and its key; a replay is only reads), "
+    "over each run's warm-up and run, plus the exactly-once check's own few reads.",
+    "The fakes keep their records in payments_bench_rails: their writes are in neither count, but their CPU is.",
+    "WAL bytes include full-page images, written for the first change to each page after a checkpoint: "
+    "they swing with the checkpoint's timing; the rest is the rows and index entries themselves.",
+    "The naive twin passes the exactly-once check too: nothing fails in these runs, so nothing is retried. "
+    "It charges twice only after a crash or a lost response (make demo-naive-crash).",
+]
+
+
+def print_report(results: dict[str, Any]) -> None:
+    for block in results["blocks"]:
+        print_block(results, block)
+    print_ceiling(results)
+    print_targets(results)
+    print_setup(results)
+    for note in NOTES:
+        console.print(f"[dim]- {note}[/]")
+    for block in results["blocks"]:
+        if any(c.get(LOAD_GENERATOR, 0) > c.get("API", 0)
+               for k in ("phased", "naive") if (c := (block.get(k) or {}).get("cpu_ms"))):
+            console.print(f"[yellow]- {block['workers']}w: the load generator spent more CPU per payment than an "
+                          "API: the rates are partly a measure of the client.[/]")
+    disturbed = []
+    for run in results["runs"]:
+        cpu = run["cpu_seconds"]
+        other = cpu.get(OTHERS, 0.0) + cpu.get(PG_PARTS["other"], 0.0)
+        if cpu.get(MACHINE) and other > 0.1 * cpu[MACHINE]:
+            disturbed.append((run, other / cpu[MACHINE]))
+    if disturbed:
+        worst = max(share for _, share in disturbed)
+        names = sorted({name for run, _ in disturbed for name in run["cpu_seconds_busiest_other_processes"]
+                        if not name.startswith("[")})
+        console.print(f"[yellow]- Other work on this machine (processes and PostgreSQL sessions not the bench's) "
+                      f"took over 10% of its CPU in {len(disturbed)} of {len(results['runs'])} runs (up to "
+                      f"{worst:.0%}; {', '.join(names[:6])}): those runs' rates are disturbed. Run the bench again "
+                      "on a quiet machine.[/]", highlight=False)
+    failed = [r for r in results["runs"] if not r["exactly_once"]["pass"]]
+    for run in failed:
+        for c in run["exactly_once"]["checks"]:
+            if not c["ok"]:
+                console.print(f"[red]FAIL[/] {run['workers']}w round {run['round']} {run['kind']}: "
+                              f"{c['check']}: {c['detail']}")
+    verdict = "[bold green]PASS[/]" if results["exactly_once_pass"] else "[bold red]FAIL[/]"
+    console.print(f"exactly-once, after every run: {verdict}")
+
+
+if __name__ == "__main__":
+    print_report(json.loads(open(sys.argv[1]).read()))
