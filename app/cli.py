@@ -16,9 +16,10 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
 import typer
 from rich.console import Console
+
+from app.processes import NotHealthy, wait_healthy
 
 cli = typer.Typer(help="Exactly-once payments service.", no_args_is_help=True, add_completion=False)
 clients_cli = typer.Typer(help="Manage API clients.", no_args_is_help=True)
@@ -289,17 +290,10 @@ def _demo_api_key(url: str) -> str:
 def _wait_healthy(name: str, port: int | None, child: subprocess.Popen) -> None:
     if port is None:
         return  # no HTTP face (the worker): it is up if it has not exited
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if child.poll() is not None:
-            raise SystemExit(f"{name} exited with code {child.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{name} did not become healthy on port {port}")
+    try:
+        wait_healthy(name, f"http://127.0.0.1:{port}", child)
+    except NotHealthy as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def _print_welcome(api_port: int, psp_port: int, rail_port: int, api_key: str) -> None:

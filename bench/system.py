@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,13 +33,13 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
-import httpx
 import psutil
 from rich.console import Console
 
 from app import embedded_db
 from app.cli import create_client, migrate_database
 from app.config import libpq_url
+from app.processes import NotHealthy, free_port, wait_healthy
 
 SERVICE_DATABASE = "payments_bench"
 RAILS_DATABASE = "payments_bench_rails"
@@ -144,12 +142,6 @@ def prepare_databases(server: Server) -> Databases:
 # --- Processes ----------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Service:
     """One part of the system: a process (and its workers) on a free port, logging to a file."""
@@ -180,20 +172,12 @@ class Service:
             self.popen = subprocess.Popen(
                 [*self.argv, "--port", str(self.port)], env=self.env, stdout=log, stderr=subprocess.STDOUT
             )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
-            if len(self.tree()) >= self.processes and self._healthy():
-                return
-            time.sleep(0.2)  # readiness polling, bounded by the deadline
-        raise RuntimeError(f"{self.name} did not become healthy: {self.log.read_text()[-2000:]}")
-
-    def _healthy(self) -> bool:
         try:
-            return httpx.get(self.url + "/healthz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
+            # Healthy, and every uvicorn worker up (so none misses the load).
+            wait_healthy(self.name, self.url, self.popen, timeout=60,
+                         ready=lambda: len(self.tree()) >= self.processes)
+        except NotHealthy as exc:
+            raise RuntimeError(f"{exc}: {self.log.read_text()[-2000:]}") from None
 
     def tree(self) -> list[psutil.Process]:
         """This service's processes: the one we started and every descendant (uvicorn's workers)."""

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,18 +28,13 @@ import typer
 from app import embedded_db
 from app.cli import create_client, migrate_database
 from app.config import libpq_url
+from app.processes import NotHealthy, free_port, wait_healthy
 
 DATABASE = "payments_demo"
 BIN = Path(sys.executable).parent
 IBAN = "DE89370400440532013000"
 # The doomed API's lease: short, so a takeover is possible seconds after the crash.
 DOOMED_LEASE_SECONDS = "2"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class DemoError(Exception):
@@ -67,17 +60,11 @@ class Proc:
                                           stdin=subprocess.DEVNULL)
         if self.port is None:
             return self  # the worker has no HTTP face: it is up once spawned
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise DemoError(f"{self.name} exited with code {self.popen.returncode}: {self.tail(5)}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise DemoError(f"{self.name} did not become healthy on port {self.port}: {self.tail(5)}")
+        try:
+            wait_healthy(self.name, self.url, self.popen)
+        except NotHealthy as exc:
+            raise DemoError(f"{exc}: {self.tail(5)}") from None
+        return self
 
     def wait(self, timeout: float = 10) -> int | None:
         try:

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ import pytest
 from app import clients, embedded_db
 from app.cli import migrate_database
 from app.config import libpq_url
+from app.processes import NotHealthy, free_port, wait_healthy
 
 TEST_DATABASE = f"payments_test_{os.getpid()}"
 LEGACY_IBAN = "GB82WEST12345698765432"  # payouts to this account go over the legacy path
@@ -70,12 +69,6 @@ def database_url(server_url: str) -> Iterator[str]:
         pool.submit(embedded_db.drop_database, server_url, TEST_DATABASE).result()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Process:
     name: str
@@ -93,17 +86,11 @@ class Process:
         self.popen = subprocess.Popen(
             self.argv, env=self.env, stdout=self.log.open("ab"), stderr=subprocess.STDOUT
         )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)  # readiness polling, bounded by the deadline
-        raise RuntimeError(f"{self.name} did not become healthy: {self.log.read_text()[-2000:]}")
+        try:
+            wait_healthy(self.name, self.url, self.popen)
+        except NotHealthy as exc:
+            raise RuntimeError(f"{exc}: {self.log.read_text()[-2000:]}") from None
+        return self
 
     def stop(self) -> None:
         if self.popen and self.popen.poll() is None:
