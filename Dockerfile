@@ -1,4 +1,4 @@
-# One image for the API and both fake rails; the command picks which.
+# One image for the API, the worker and both fake rails; the command picks which.
 FROM python:3.11-slim
 WORKDIR /srv
 COPY pyproject.toml requirements.lock README.md alembic.ini ./
