@@ -73,10 +73,17 @@ _COLUMNS = """
 
 # One timeline entry per state change, appended in the same UPDATE as the
 # change itself, so the history can never disagree with the row.
-_EVENT = (
-    "timeline || jsonb_build_object('at', now(), 'event', CAST(:event AS text), "
-    "'recovery_point', CAST(:recovery_point AS text), 'attempt', attempts)"
-)
+def _event(recovery_point: str = "CAST(:recovery_point AS text)", attempt: str = "attempts") -> str:
+    """The timeline entry appended by an UPDATE; SET expressions see the row before the update."""
+    return (
+        "timeline || jsonb_build_object('at', now(), 'event', CAST(:event AS text), "
+        f"'recovery_point', {recovery_point}, 'attempt', {attempt})"
+    )
+
+
+_EVENT = _event()  # the recovery point the statement sets
+_EVENT_IN_PLACE = _event(recovery_point="recovery_point")  # the recovery point stays as it is
+_EVENT_NEW_ATTEMPT = _event(recovery_point="recovery_point", attempt="attempts + 1")  # a takeover
 
 # The claim, the advance and the finish below are also the first step (the
 # "fence") of the single-statement phases in app/payments/sql.py.
@@ -117,8 +124,7 @@ _TAKE_OVER = text(
            lease_expires_at = now() + make_interval(secs => :lease_seconds),
            attempts = attempts + 1,
            updated_at = now(),
-           -- SET expressions see the old row, hence attempts + 1 here.
-           timeline = {_EVENT.replace("CAST(:recovery_point AS text)", "recovery_point").replace("attempts)", "attempts + 1)")}
+           timeline = {_EVENT_NEW_ATTEMPT}
      WHERE client_id = :client_id AND key = :key
        AND state = 'started' AND parked_at IS NULL
        AND (lease_expires_at IS NULL OR lease_expires_at < now())
@@ -168,7 +174,7 @@ _RELEASE = text(
            last_error = :error,
            next_attempt_at = now() + make_interval(secs => :retry_in),
            updated_at = now(),
-           timeline = {_EVENT.replace("CAST(:recovery_point AS text)", "recovery_point")}
+           timeline = {_EVENT_IN_PLACE}
      WHERE client_id = :client_id AND key = :key
        AND lease_token = :token AND state = 'started'
     """
@@ -185,7 +191,7 @@ _PARK = text(
            parked_at = now(),
            last_error = :error,
            updated_at = now(),
-           timeline = {_EVENT.replace("CAST(:recovery_point AS text)", "recovery_point")}
+           timeline = {_EVENT_IN_PLACE}
      WHERE client_id = :client_id AND key = :key
        AND lease_token = :token AND state = 'started'
     """
@@ -201,7 +207,7 @@ _UNPARK = text(
            lease_expires_at = now() + make_interval(secs => :lease_seconds),
            attempts = attempts + 1,
            updated_at = now(),
-           timeline = {_EVENT.replace("CAST(:recovery_point AS text)", "recovery_point").replace("attempts)", "attempts + 1)")}
+           timeline = {_EVENT_NEW_ATTEMPT}
      WHERE client_id = :client_id AND key = :key
        AND state = 'started' AND parked_at IS NOT NULL
     RETURNING lease_token, attempts

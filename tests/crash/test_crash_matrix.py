@@ -86,16 +86,21 @@ async def assert_exactly_once(http, stack, db, acme, key, body, *, rejected: boo
     assert replay.text == row["response_body"]
 
 
-@pytest.mark.parametrize("point", list(LEAVES))
-async def test_a_client_retry_after_a_crash_completes_the_payment_exactly_once(
-    point, http, stack, db, acme, processes
-):
+async def crashed_payment(http, stack, processes, acme, point) -> tuple[str, dict, bool]:
+    """A payment whose API died at `point` (the EXT3 points need the rail to reject it)."""
     key, body = str(uuid.uuid4()), payment_body()
     rejected = "EXT3" in point
     if rejected:
         await set_faults(http, stack.rail, {"action": "reject", "reference": body["reference"]})
-
     await crash(http, processes, acme, key, body, point)
+    return key, body, rejected
+
+
+@pytest.mark.parametrize("point", list(LEAVES))
+async def test_a_client_retry_after_a_crash_completes_the_payment_exactly_once(
+    point, http, stack, db, acme, processes
+):
+    key, body, rejected = await crashed_payment(http, stack, processes, acme, point)
 
     assert (await key_row(db, acme.id, key))["recovery_point"] == LEAVES[point]
     await lease_expired(db, acme.id, key)
@@ -109,11 +114,7 @@ async def test_a_client_retry_after_a_crash_completes_the_payment_exactly_once(
 async def test_the_worker_completes_a_crashed_payment_exactly_once_without_a_retry(
     point, http, stack, db, acme, processes
 ):
-    key, body = str(uuid.uuid4()), payment_body()
-    rejected = "EXT3" in point
-    if rejected:
-        await set_faults(http, stack.rail, {"action": "reject", "reference": body["reference"]})
-    await crash(http, processes, acme, key, body, point)
+    key, body, rejected = await crashed_payment(http, stack, processes, acme, point)
 
     processes.worker(**FAST_WORKER)
 
