@@ -58,6 +58,9 @@ class Settings(BaseSettings):
     # What a client is told to wait before retrying a request still in flight.
     retry_after_seconds: int = Field(default=1, ge=1)
     db_pool_size: int = Field(default=20, ge=1)
+    # The caller lookup's own asyncpg pool (app/db/engine.py): one short read
+    # per POST, so a few connections serve thousands of requests a second.
+    db_lookup_pool_size: int = Field(default=4, ge=1)
 
     # After this many attempts whose outcome stayed unknown, an operation is
     # parked as indeterminate for reconciliation instead of being retried.

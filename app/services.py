@@ -1,4 +1,4 @@
-"""The long-lived things a process needs: settings, the engine, the rail clients.
+"""The long-lived things a process needs: settings, the database, the rail clients.
 
 Built once per process: by `create_app` for the API, by `payments worker` for
 the recovery worker. Both then drive payments through the same runner.
@@ -10,12 +10,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import asyncpg
 import httpx
 from httpx_aiohttp import AiohttpTransport
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import Settings
-from app.db.engine import build_engine
+from app.db.engine import build_engine, open_lookup_pool
 from app.rails.client import PSP, Rail
 
 
@@ -23,6 +24,7 @@ from app.rails.client import PSP, Rail
 class Services:
     settings: Settings
     engine: AsyncEngine
+    lookups: asyncpg.Pool  # the caller lookup's (app/db/engine.py)
     psp: PSP
     rail: Rail
 
@@ -30,6 +32,7 @@ class Services:
 @asynccontextmanager
 async def open_services(settings: Settings) -> AsyncIterator[Services]:
     engine = build_engine(settings)
+    lookups = await open_lookup_pool(settings)
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=100)
     # httpx's interface over aiohttp's connection handling: the same calls and
     # exceptions, at a fraction of the CPU per request (see docs/performance.md).
@@ -39,6 +42,7 @@ async def open_services(settings: Settings) -> AsyncIterator[Services]:
             yield Services(
                 settings=settings,
                 engine=engine,
+                lookups=lookups,
                 psp=PSP(http, settings.psp_url, settings.psp_timeout_seconds, settings.transient_retries),
                 rail=Rail(
                     http, settings.rail_url, settings.rail_timeout_seconds, settings.transient_retries,
@@ -46,4 +50,5 @@ async def open_services(settings: Settings) -> AsyncIterator[Services]:
                 ),
             )
     finally:
+        await lookups.close()
         await engine.dispose()

@@ -14,7 +14,7 @@ phases), with stand-ins for the database engine, the PSP and the rail. The
 stand-in connection notes each statement the code issues and its parameters,
 and which function issued it; today that is
 
-    store.load_for_api_key    who is asking, and what their key holds  (read)
+    store.load_caller         who is asking, and what their key holds  (read)
     phases.handler1           claim the key, create the payment        (write)
     phases.record_charge      the charge's outcome, Handler2           (write)
     phases.record_transfer    the transfer's outcome, Handler3         (write)
@@ -53,6 +53,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from fastapi import Request
 from fastapi.security import HTTPAuthorizationCredentials
 
 from app.api.deps import payment_caller
@@ -66,6 +67,8 @@ from bench.system import RESULTS, Server
 SCRIPT = RESULTS / "one_payment.pgbench"
 # SQLAlchemy's own pattern for `:name` bind parameters in text() (not `::type` casts).
 _BIND = re.compile(r"(?<![:\w\x5c]):(\w+)(?![:\w])")
+# asyncpg's own parameters ($1, $2, ...), in the caller lookup.
+_POSITIONAL = re.compile(r"\$\d+\b")
 # pgbench would take `:name` anywhere, even inside a string literal, for a variable.
 _PGBENCH_VARIABLE = re.compile(r":[A-Za-z_]")
 
@@ -87,8 +90,8 @@ VARYING = {
 class Recorded:
     """One statement the request path issued: its parameters, who issued it, what it was told."""
 
-    statement: Any
-    params: dict[str, Any]
+    sql: str
+    params: dict[str, Any]  # by name (:name), or by position ($1) for asyncpg's own statements
     issuer: str
     answer: dict[str, Any] | None
 
@@ -122,11 +125,18 @@ class _Recorder:
 
     # The connection.
     async def execute(self, statement: Any, params: dict[str, Any]) -> _Result:
+        return _Result(self._note(statement.text, dict(params)))
+
+    # The caller lookup's asyncpg pool: positional parameters, $1 and up.
+    async def fetchrow(self, sql: str, *args: Any) -> dict[str, Any] | None:
+        return self._note(sql, {f"${n}": value for n, value in enumerate(args, 1)})
+
+    def _note(self, sql: str, params: dict[str, Any]) -> dict[str, Any] | None:
         if len(self.recorded) == len(self.answers):
             raise RecordingFailed(f"the request path issues more than {len(self.answers)} statements")
         answer = self.answers[len(self.recorded)]
-        self.recorded.append(Recorded(statement, dict(params), _issuer(), answer))
-        return _Result(answer)
+        self.recorded.append(Recorded(sql, params, _issuer(), answer))
+        return answer
 
 
 class _Result:
@@ -193,9 +203,11 @@ async def record_one_payment(api_key: str, client_id: int) -> list[Recorded]:
     ])
     engine: Any = recorder
     rails: Any = _Rail()
-    services = Services(Settings(database_url="postgresql://recorder/none"), engine, rails, rails)
+    services = Services(Settings(database_url="postgresql://recorder/none"), engine, engine, rails, rails)
     credentials = HTTPAuthorizationCredentials(scheme="Bearer", credentials=api_key)
-    caller = await payment_caller(services, credentials, "pgbench-key")
+    # The lookup's key stays the literal 'pgbench-key': no payment claims it, so
+    # every lookup finds the client and no key row, as for any new payment.
+    caller = await payment_caller(Request({"type": "http"}), services, credentials, "pgbench-key")
     reply = await submit_payment(services, caller.client_id, caller.key, request, row=caller.row)
     if getattr(reply.outcome, "status_code", None) != 201 or len(recorder.recorded) != len(recorder.answers):
         raise RecordingFailed(
@@ -235,7 +247,11 @@ def render(recorded: Recorded, variables: dict[str, str]) -> str:
         assert not _PGBENCH_VARIABLE.search(value), value
         return value
 
-    lines = [line.rstrip() for line in _BIND.sub(one, recorded.statement.text).strip().splitlines()]
+    def positional(match: re.Match[str]) -> str:
+        return literal(recorded.params[match.group(0)])
+
+    sql = _POSITIONAL.sub(positional, _BIND.sub(one, recorded.sql))
+    lines = [line.rstrip() for line in sql.strip().splitlines()]
     return "\n".join(line for line in lines if line)
 
 

@@ -420,7 +420,12 @@ def base_app(
     title: str, database_url: str, schema: str, ddl: str, operations: Iterable[str]
 ) -> FastAPI:
     """An app with what both fakes have: pool, schema, fault plan, errors, health."""
-    app = FastAPI(title=title, lifespan=pool_lifespan(database_url, schema, ddl))
+    # No OpenTelemetry here: spare the per-request look for its providers.
+    app = FastAPI(
+        title=title,
+        lifespan=pool_lifespan(database_url, schema, ddl),
+        telemetry={"tracing": False, "metrics": False, "logs": False},
+    )
     app.state.faults = FaultPlan(operations)
     install_problem_handlers(app)
     app.include_router(app.state.faults.router())

@@ -31,6 +31,7 @@ from sqlalchemy import text
 from app.api import errors
 from app.api.deps import ClientId, ServicesDep
 from app.config import Settings
+from app.main import NO_TELEMETRY
 from app.db.transaction import one_statement
 from app.idempotency.keys import end_to_end_reference
 from app.ledger import postings
@@ -93,7 +94,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.services = services
             yield
 
-    app = FastAPI(title="THE NAIVE TWIN (unsafe, for comparison only)", lifespan=lifespan)
+    app = FastAPI(title="THE NAIVE TWIN (unsafe, for comparison only)", lifespan=lifespan, telemetry=NO_TELEMETRY)
     errors.install(app)
 
     @app.get("/healthz")

@@ -40,10 +40,26 @@ def get_services(request: Request) -> Services:
     return request.app.state.services
 
 
+MAX_API_KEY_LENGTH = 200  # ours are 43; refusing longer ones early keeps hashing cheap
+
+
+def bearer_api_key(authorization: str | None) -> str | None:
+    """The API key in an `Authorization` header's value, or None.
+
+    Read as FastAPI's HTTPBearer reads it (the scheme "Bearer" in any case,
+    the key after the first space), for the replay shortcut, which runs
+    before FastAPI does.
+    """
+    scheme, _, api_key = (authorization or "").partition(" ")
+    return _usable(api_key) if scheme.lower() == "bearer" else None
+
+
 def _api_key(credentials: HTTPAuthorizationCredentials | None) -> str | None:
-    api_key = credentials.credentials if credentials else ""
-    # An API key is never this long; refusing it early keeps hashing cheap.
-    return api_key if 0 < len(api_key) <= 200 else None
+    return _usable(credentials.credentials) if credentials else None
+
+
+def _usable(api_key: str) -> str | None:
+    return api_key if 0 < len(api_key) <= MAX_API_KEY_LENGTH else None
 
 
 def _unauthenticated() -> ProblemError:
@@ -76,6 +92,7 @@ class PaymentCaller:
 
 
 async def payment_caller(
+    request: Request,
     services: Annotated[Services, Depends(get_services)],
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     raw_key: Annotated[str | None, _KEY_HEADER] = None,
@@ -83,7 +100,8 @@ async def payment_caller(
     """Authenticate and read the key's row in one query (401, then 400, as for any request).
 
     The same answers as `authenticated_client` followed by `idempotency_key`,
-    in one round trip: a retry of a finished payment needs nothing else.
+    in one round trip: a retry of a finished payment needs nothing else. The
+    replay shortcut has usually made that read already and handed it over.
     """
     try:
         key = idempotency_key(raw_key)
@@ -91,11 +109,41 @@ async def payment_caller(
         await authenticated_client(services, credentials)  # who is asking comes first (401)
         raise
     api_key = _api_key(credentials)
-    found = api_key and await read(services.engine, keys.load_for_api_key, clients.hash_api_key(api_key), key)
-    if not found:
+    if not api_key:
         raise _unauthenticated()
-    client_id, row = found
-    return PaymentCaller(client_id, key, row)
+    lookup = _handed_over(request, api_key, key)
+    if lookup is not None:
+        found = lookup.caller
+    else:
+        found = await keys.load_caller(services.lookups, clients.hash_api_key(api_key), key)
+    if found is None:
+        raise _unauthenticated()
+    return PaymentCaller(found.client_id, key, found.row)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """The caller lookup for one request: which API key and key were looked up, and what was found."""
+
+    api_key: str
+    key: str
+    caller: keys.Caller | None  # None: no client has this API key
+
+
+# The replay shortcut (app/api/replay_shortcut.py) makes the caller lookup
+# before FastAPI runs. When it cannot answer the request itself, it leaves
+# what it read in the request's state, so the read is not made twice.
+_LOOKUP = "caller_lookup"
+
+
+def hand_over(scope: dict, lookup: Lookup) -> None:
+    scope.setdefault("state", {})[_LOOKUP] = lookup
+
+
+def _handed_over(request: Request, api_key: str, key: str) -> Lookup | None:
+    lookup = request.scope.get("state", {}).get(_LOOKUP)
+    # Used only for the very API key and key this request carries.
+    return lookup if lookup is not None and (lookup.api_key, lookup.key) == (api_key, key) else None
 
 
 def idempotency_key(raw: str | None) -> str:

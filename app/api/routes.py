@@ -63,8 +63,7 @@ async def create_payment(services: ServicesDep, caller: Caller, body: PaymentReq
     reply = await submit_payment(services, caller.client_id, caller.key, body, row=caller.row)
     outcome = reply.outcome
     if isinstance(outcome, Finished):
-        headers = {"Idempotent-Replayed": "true"} if reply.replayed else {}
-        return Response(outcome.body, outcome.status_code, headers=headers, media_type="application/json")
+        return final_response(outcome, replayed=reply.replayed)
     payment = outcome.payment
     return Response(
         PaymentView.of(payment).body(),
@@ -75,6 +74,16 @@ async def create_payment(services: ServicesDep, caller: Caller, body: PaymentReq
         },
         media_type="application/json",
     )
+
+
+def final_response(outcome: Finished, *, replayed: bool) -> Response:
+    """A payment's final response; a replay is the stored body, byte for byte, plus one header.
+
+    The replay shortcut (app/api/replay_shortcut.py) sends replays through this
+    too, so a replay is the same bytes whichever way it was answered.
+    """
+    headers = {"Idempotent-Replayed": "true"} if replayed else None
+    return Response(outcome.body, outcome.status_code, headers=headers, media_type="application/json")
 
 
 @router.get(

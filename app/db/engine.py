@@ -1,10 +1,29 @@
-"""The SQLAlchemy async engine (asyncpg underneath), built once per process."""
+"""The database handles a process builds once: SQLAlchemy's engine, and a small asyncpg pool.
+
+Everything the service writes, and every read but one, goes through the
+SQLAlchemy engine (asyncpg underneath) and `app.db.transaction`. The one
+exception is the read that starts every `POST /v1/payments`: who is asking,
+and what they stored under this key (`app.idempotency.store.load_caller`).
+A retry of a finished payment is answered from that read alone, so its cost
+is the cost of a replay; run on asyncpg directly it takes well under half the
+CPU that SQLAlchemy's execution machinery adds around it
+(docs/performance.md). It is a single SELECT: no transaction, nothing to
+commit, and the connection is back in the pool when it returns.
+"""
 
 from __future__ import annotations
 
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+import json
 
-from app.config import Settings
+import asyncpg
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from app.config import Settings, libpq_url
+
+# Leases are compared with now() on the server, never with this process's
+# clock; UTC keeps the timestamps we print unambiguous.
+_SERVER_SETTINGS = {"timezone": "UTC"}
 
 
 def build_engine(settings: Settings) -> AsyncEngine:
@@ -13,14 +32,28 @@ def build_engine(settings: Settings) -> AsyncEngine:
         pool_size=settings.db_pool_size,
         max_overflow=0,
         pool_pre_ping=False,
-        # Leases are compared with now() on the server, never with this
-        # process's clock; UTC keeps the timestamps we print unambiguous.
-        connect_args={"server_settings": {"timezone": "UTC"}},
+        connect_args={"server_settings": _SERVER_SETTINGS},
     )
 
 
-async def ping(conn) -> None:
-    """A round trip to the database, for health checks."""
-    from sqlalchemy import text
+async def open_lookup_pool(settings: Settings) -> asyncpg.Pool:
+    """The pool for the caller lookup. Connections open on first use, so a process
+    that never serves a payment (the recovery worker) never opens one."""
+    return await asyncpg.create_pool(
+        libpq_url(settings.database_url),
+        min_size=0,
+        max_size=settings.db_lookup_pool_size,
+        server_settings=_SERVER_SETTINGS,
+        init=_decode_jsonb,
+    )
 
+
+async def _decode_jsonb(conn: asyncpg.Connection) -> None:
+    # SQLAlchemy's dialect decodes jsonb into Python values; so must this pool,
+    # so that a row read either way is the same row (the key's timeline).
+    await conn.set_type_codec("jsonb", schema="pg_catalog", encoder=json.dumps, decoder=json.loads)
+
+
+async def ping(conn: AsyncConnection) -> None:
+    """A round trip to the database, for health checks."""
     await conn.execute(text("SELECT 1"))

@@ -12,7 +12,8 @@ CLAIM_SQL, ADVANCE_SQL and FINISH_SQL are the first step (the "fence") of the
 single-statement phases in app/payments/sql.py. The functions here (load,
 take_over, release, park, unpark, stranded) take a connection from
 `app.db.transaction` (inside a transaction, or as a single statement) and
-never commit.
+never commit; `load_caller`, the read that starts every POST, runs on the
+lookup pool of app/db/engine.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import asyncpg
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -60,6 +62,14 @@ class KeyRow:
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+
+
+@dataclass(frozen=True)
+class Caller:
+    """An authenticated client, and what it stored under the key it sent (None: nothing yet)."""
+
+    client_id: int
+    row: KeyRow | None
 
 
 _COLUMNS = """
@@ -105,14 +115,13 @@ _LOAD = text(f"SELECT {_COLUMNS} FROM idempotency_key k WHERE k.client_id = :cli
 
 # Who is asking, and what (if anything) they stored under this key, in one
 # read: the common retry, of a finished payment, is answered from it alone.
-_LOAD_FOR_API_KEY = text(
-    f"""
+# Run by asyncpg itself (see app/db/engine.py), hence $1 and $2.
+CALLER_SQL = f"""
     SELECT c.id AS caller_id, {_COLUMNS}
       FROM client c
-      LEFT JOIN idempotency_key k ON k.client_id = c.id AND k.key = :key
-     WHERE c.api_key_hash = :api_key_hash
-    """
-)
+      LEFT JOIN idempotency_key k ON k.client_id = c.id AND k.key = $2
+     WHERE c.api_key_hash = $1
+"""
 
 # Diagram 4 of the seed: take over only from an owner that looks dead. Of two
 # concurrent retries, the second waits for the first's row lock, re-checks the
@@ -237,15 +246,17 @@ async def load(conn: AsyncConnection, client_id: int, key: str) -> KeyRow | None
     return None if row is None else KeyRow(**row)
 
 
-async def load_for_api_key(conn: AsyncConnection, api_key_hash: bytes, key: str) -> tuple[int, KeyRow | None] | None:
-    """(the caller's client id, its row for `key` or None); None if no client has this API key."""
-    row = (await conn.execute(_LOAD_FOR_API_KEY, dict(api_key_hash=api_key_hash, key=key))).mappings().one_or_none()
+async def load_caller(pool: asyncpg.Pool, api_key_hash: bytes, key: str) -> Caller | None:
+    """Who holds this API key, and their row for `key`; None if no client does.
+
+    One SELECT on the lookup pool, outside any transaction (app/db/engine.py).
+    """
+    row = await pool.fetchrow(CALLER_SQL, api_key_hash, key)
     if row is None:
         return None
-    caller_id = row["caller_id"]
     if row["key"] is None:
-        return caller_id, None
-    return caller_id, KeyRow(**{k: v for k, v in row.items() if k != "caller_id"})
+        return Caller(row["caller_id"], None)
+    return Caller(row["caller_id"], KeyRow(**{k: v for k, v in row.items() if k != "caller_id"}))
 
 
 async def take_over(

@@ -39,6 +39,23 @@ class Reply:
     replayed: bool = False
 
 
+def fingerprint(request: PaymentRequest) -> bytes:
+    """What makes two POSTs "the same payment": the validated request, canonically encoded."""
+    return request_fingerprint("POST", "/v1/payments", request.model_dump(mode="json"))
+
+
+def stored_response(row: KeyRow, request_hash: bytes) -> Finished | None:
+    """The response to replay for a retry: only of the same request, and only once finished.
+
+    The replay shortcut (app/api/replay_shortcut.py) answers from this alone;
+    for anything else it returns None and `submit_payment` decides.
+    """
+    if row.state != "finished" or row.endpoint != phases.ENDPOINT or row.request_hash != request_hash:
+        return None
+    assert row.response_code is not None and row.response_body is not None
+    return Finished(row.response_code, row.response_body)
+
+
 async def submit_payment(
     services: Services, client_id: int, key: str, request: PaymentRequest, *, row: KeyRow | None
 ) -> Reply:
@@ -48,14 +65,14 @@ async def submit_payment(
     answered from that one read, without touching the write path at all.
     """
     settings = services.settings
-    fingerprint = request_fingerprint("POST", "/v1/payments", request.model_dump(mode="json"))
+    request_hash = fingerprint(request)
     if row is None:
         op = await one_statement(
             services.engine,
             phases.handler1,
             client_id=client_id,
             key=key,
-            request_hash=fingerprint,
+            request_hash=request_hash,
             request=request,
             lease_seconds=settings.lease_seconds,
         )
@@ -71,14 +88,14 @@ async def submit_payment(
             raise _in_progress(settings.retry_after_seconds)
 
     # The key exists. Only the stored row decides what happens next.
-    if row.endpoint != phases.ENDPOINT or row.request_hash != fingerprint:
+    if row.endpoint != phases.ENDPOINT or row.request_hash != request_hash:
         raise ProblemError(
             IDEMPOTENCY_KEY_REUSED,
             f"Idempotency-Key {key!r} was first used for a different request",
         )
-    if row.state == "finished":
-        assert row.response_code is not None and row.response_body is not None
-        return Reply(Finished(row.response_code, row.response_body), replayed=True)
+    replay = stored_response(row, request_hash)
+    if replay is not None:
+        return Reply(replay, replayed=True)
     if row.parked:
         # Reconciliation owns it now: say so (202, status indeterminate),
         # never "failed", and never resume it blindly.

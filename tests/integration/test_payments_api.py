@@ -270,6 +270,7 @@ async def test_a_rail_rejection_is_compensated_by_exactly_one_refund(http, stack
         b"{not json",
         b'\xff\xfe{"amount": 1}',
         b"[" * 100_000,
+        b"[" * 8_000 + b"]" * 8_000,  # well-formed, but nested past json.loads' recursion limit
         b"[]",
         b"",
         json.dumps(payment_body(amount="1250")).encode(),
