@@ -45,6 +45,7 @@ async def open_lookup_pool(settings: Settings) -> asyncpg.Pool:
         max_size=settings.db_lookup_pool_size,
         server_settings=_SERVER_SETTINGS,
         init=_decode_jsonb,
+        reset=_nothing_to_reset,
     )
 
 
@@ -52,6 +53,17 @@ async def _decode_jsonb(conn: asyncpg.Connection) -> None:
     # SQLAlchemy's dialect decodes jsonb into Python values; so must this pool,
     # so that a row read either way is the same row (the key's timeline).
     await conn.set_type_codec("jsonb", schema="pg_catalog", encoder=json.dumps, decoder=json.loads)
+
+
+async def _nothing_to_reset(conn: asyncpg.Connection) -> None:
+    """Skip asyncpg's reset query when a connection goes back to the pool.
+
+    By default every release sends `SELECT pg_advisory_unlock_all(); CLOSE ALL;
+    UNLISTEN *; RESET ALL`: a second round trip, and a second transaction, for
+    each lookup. The lookup is one SELECT: it takes no lock, opens no cursor,
+    listens to nothing and sets nothing, so there is nothing to reset. (asyncpg
+    still rolls back a transaction left open, before calling this.)
+    """
 
 
 async def ping(conn: AsyncConnection) -> None:
