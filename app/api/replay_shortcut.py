@@ -43,6 +43,7 @@ from app.api.routes import final_response
 from app.idempotency import store as keys
 from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
 from app.payments.models import PaymentRequest
+from app.payments.runner import Finished
 from app.payments.service import fingerprint, stored_response
 
 Scope = MutableMapping[str, Any]
@@ -127,7 +128,7 @@ def _replaying(messages: list[Message], receive: Receive) -> Receive:
     return replay
 
 
-async def _stored_replay(scope: Scope, api_key: str, key: str, body: bytes):
+async def _stored_replay(scope: Scope, api_key: str, key: str, body: bytes) -> Finished | None:
     """The stored response if this is a retry of a finished payment; None otherwise."""
     try:
         # json.loads, then the model: what FastAPI does with a JSON body.
