@@ -14,6 +14,7 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 
 from app import clients
 from app.db.transaction import read
@@ -46,11 +47,11 @@ MAX_API_KEY_LENGTH = 200  # ours are 43; refusing longer ones early keeps hashin
 def bearer_api_key(authorization: str | None) -> str | None:
     """The API key in an `Authorization` header's value, or None.
 
-    Read as FastAPI's HTTPBearer reads it (the scheme "Bearer" in any case,
-    the key after the first space), for the replay shortcut, which runs
-    before FastAPI does.
+    Parsed by the function FastAPI's HTTPBearer uses (the scheme "Bearer" in
+    any case, the key after the first space, stripped), for the replay
+    shortcut, which runs before FastAPI does.
     """
-    scheme, _, api_key = (authorization or "").partition(" ")
+    scheme, api_key = get_authorization_scheme_param(authorization)
     return _usable(api_key) if scheme.lower() == "bearer" else None
 
 

@@ -199,3 +199,15 @@ def test_a_lookup_handed_over_is_used_only_for_the_same_api_key_and_key():
     assert deps._handed_over(request, "api-key", "key-2") is None
     assert deps._handed_over(request, "other-api-key", "key-1") is None
     assert deps._handed_over(Request({"type": "http"}), "api-key", "key-1") is None
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    ["Bearer abc", "bearer abc", "BEARER  abc  ", "Bearer a b", "Basic abc", "Bearer", "Bearer ", "", None,
+     "Bearer " + "x" * 201],
+)
+async def test_the_shortcut_reads_the_api_key_exactly_as_the_route_does(authorization):
+    raw = [] if authorization is None else [(b"authorization", authorization.encode())]
+    credentials = await deps._bearer(Request({"type": "http", "headers": raw}))
+
+    assert deps.bearer_api_key(authorization) == deps._api_key(credentials)
