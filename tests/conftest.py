@@ -18,6 +18,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -231,13 +232,19 @@ class Processes:
         return process.start()
 
     def worker(self, name: str = "worker", **env: str) -> subprocess.Popen:
-        """A recovery worker; it has no HTTP face, so it is "up" once spawned."""
+        """A recovery worker, once it is up.
+
+        It has no HTTP face, so "up" is the line it logs once its signal
+        handlers are installed and its services open: from then on a SIGTERM
+        stops it cleanly (exit 0). Before it, a SIGTERM kills it outright.
+        """
         env = api_env(self.database_url, self.stack.psp, self.stack.rail, **env)
         process = Process(name, [str(BIN / "payments"), "worker"], env, 0, self.logs / f"{name}-{len(self.started)}.log")
         process.popen = subprocess.Popen(
             process.argv, env=env, stdout=process.log.open("ab"), stderr=subprocess.STDOUT
         )
         self.started.append(process)
+        _wait_for_log_line(process, "worker started")
         return process.popen
 
     async def cli(self, *args: str, **env: str) -> tuple[int, str]:
@@ -255,6 +262,16 @@ class Processes:
             if process.popen and process.popen.poll() is None:
                 process.popen.kill()
                 process.popen.wait(10)
+
+
+def _wait_for_log_line(process: Process, line: str, timeout: float = 30.0) -> None:
+    """Return once `line` is in the process's log; fail if it exits or the timeout passes first."""
+    deadline = time.monotonic() + timeout
+    while line not in process.log.read_text(errors="replace"):
+        if process.popen.poll() is not None or time.monotonic() > deadline:
+            state = f"exited with {process.popen.returncode}" if process.popen.poll() is not None else "timed out"
+            raise RuntimeError(f"{process.name} {state} before logging {line!r}: {process.log.read_text()[-2000:]}")
+        time.sleep(0.02)
 
 
 @pytest.fixture
