@@ -19,7 +19,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from app.processes import NotHealthy, wait_healthy
+from app.processes import NotHealthy, stop_processes, wait_healthy
 
 cli = typer.Typer(help="Exactly-once payments service.", no_args_is_help=True, add_completion=False)
 clients_cli = typer.Typer(help="Manage API clients.", no_args_is_help=True)
@@ -242,14 +242,12 @@ def run(
     except KeyboardInterrupt:
         console.print("\nstopping")
     finally:
-        for child in children:
-            if child.poll() is None:
-                child.terminate()
-        for child in children:
-            try:
-                child.wait(10)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        # A second Ctrl-C (or SIGTERM) during the clean-up must not cut it
+        # short: that would leave PostgreSQL or a child running. Any child
+        # that does not stop within its grace is killed, so this ends.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        stop_processes(*children)
         if server is not None and started_db:
             embedded_db.stop(server)
             console.print("embedded PostgreSQL stopped (data kept in .data/)")

@@ -49,3 +49,21 @@ def wait_healthy(
             return
         time.sleep(0.1)  # readiness polling, bounded by the deadline
     raise NotHealthy(f"{name} did not become healthy at {url}")
+
+
+def stop_processes(*children: subprocess.Popen, grace: float = 10) -> None:
+    """Stop each child still running: SIGTERM, then SIGKILL if it has not exited within `grace` seconds.
+
+    SIGTERM first, and to all of them before waiting on any, so each gets the
+    full grace to let go of what it holds (a worker its leases, uvicorn's
+    master its workers).
+    """
+    running = [child for child in children if child.poll() is None]
+    for child in running:
+        child.terminate()
+    for child in running:
+        try:
+            child.wait(grace)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()

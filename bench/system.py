@@ -39,7 +39,7 @@ from rich.console import Console
 from app import embedded_db
 from app.cli import create_client, migrate_database
 from app.config import libpq_url
-from app.processes import NotHealthy, free_port, wait_healthy
+from app.processes import NotHealthy, free_port, stop_processes, wait_healthy
 
 SERVICE_DATABASE = "payments_bench"
 RAILS_DATABASE = "payments_bench_rails"
@@ -191,12 +191,7 @@ class Service:
         if self.popen is None or self.popen.poll() is not None:
             return
         children = self.tree()[1:]
-        self.popen.terminate()  # uvicorn's master stops its workers
-        try:
-            self.popen.wait(15)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
+        stop_processes(self.popen, grace=15)  # uvicorn's master stops its workers
         for child in children:  # only if the master could not stop them
             try:
                 child.kill()

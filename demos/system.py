@@ -28,7 +28,7 @@ import typer
 from app import embedded_db
 from app.cli import create_client, migrate_database
 from app.config import libpq_url
-from app.processes import NotHealthy, free_port, wait_healthy
+from app.processes import NotHealthy, free_port, stop_processes, wait_healthy
 
 DATABASE = "payments_demo"
 BIN = Path(sys.executable).parent
@@ -73,13 +73,8 @@ class Proc:
             return None
 
     def stop(self) -> None:
-        if self.popen and self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
+        if self.popen:
+            stop_processes(self.popen)
 
     def tail(self, lines: int = 3) -> str:
         try:

@@ -31,10 +31,10 @@ from sqlalchemy import text
 from app.api import errors
 from app.api.deps import ClientId, ServicesDep
 from app.config import Settings
-from app.main import NO_TELEMETRY
 from app.db.transaction import one_statement
 from app.idempotency.keys import end_to_end_reference
 from app.ledger import postings
+from app.main import NO_TELEMETRY
 from app.payments.models import Payment, PaymentRequest, PaymentView, fee_for
 from app.rails.outcomes import Applied
 from app.services import open_services

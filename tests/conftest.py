@@ -31,7 +31,7 @@ import pytest
 from app import clients, embedded_db
 from app.cli import migrate_database
 from app.config import libpq_url
-from app.processes import NotHealthy, free_port, wait_healthy
+from app.processes import NotHealthy, free_port, stop_processes, wait_healthy
 
 TEST_DATABASE = f"payments_test_{os.getpid()}"
 LEGACY_IBAN = "GB82WEST12345698765432"  # payouts to this account go over the legacy path
@@ -94,12 +94,8 @@ class Process:
         return self
 
     def stop(self) -> None:
-        if self.popen and self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
+        if self.popen:
+            stop_processes(self.popen)
 
 
 @dataclass
@@ -268,10 +264,11 @@ def _wait_for_log_line(process: Process, line: str, timeout: float = 30.0) -> No
     """Return once `line` is in the process's log; fail if it exits or the timeout passes first."""
     deadline = time.monotonic() + timeout
     while line not in process.log.read_text(errors="replace"):
-        if process.popen.poll() is not None or time.monotonic() > deadline:
-            state = f"exited with {process.popen.returncode}" if process.popen.poll() is not None else "timed out"
+        exited = process.popen.poll()
+        if exited is not None or time.monotonic() > deadline:
+            state = "timed out" if exited is None else f"exited with {exited}"
             raise RuntimeError(f"{process.name} {state} before logging {line!r}: {process.log.read_text()[-2000:]}")
-        time.sleep(0.02)
+        time.sleep(0.02)  # readiness polling, bounded by the deadline
 
 
 @pytest.fixture

@@ -112,11 +112,7 @@ async def payment_caller(
     api_key = _api_key(credentials)
     if not api_key:
         raise _unauthenticated()
-    lookup = _handed_over(request, api_key, key)
-    if lookup is not None:
-        found = lookup.caller
-    else:
-        found = await keys.load_caller(services.lookups, clients.hash_api_key(api_key), key)
+    found = (_handed_over(request, api_key, key) or await look_up(services, api_key, key)).caller
     if found is None:
         raise _unauthenticated()
     return PaymentCaller(found.client_id, key, found.row)
@@ -129,6 +125,11 @@ class Lookup:
     api_key: str
     key: str
     caller: keys.Caller | None  # None: no client has this API key
+
+
+async def look_up(services: Services, api_key: str, key: str) -> Lookup:
+    """The caller lookup: one read (`store.load_caller`), kept with the API key and key it was made for."""
+    return Lookup(api_key, key, await keys.load_caller(services.lookups, clients.hash_api_key(api_key), key))
 
 
 # The replay shortcut (app/api/replay_shortcut.py) makes the caller lookup

@@ -37,10 +37,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from app import clients
-from app.api.deps import Lookup, bearer_api_key, hand_over
+from app.api.deps import bearer_api_key, hand_over, look_up
 from app.api.routes import final_response
-from app.idempotency import store as keys
 from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
 from app.payments.models import PaymentRequest
 from app.payments.runner import Finished
@@ -135,9 +133,8 @@ async def _stored_replay(scope: Scope, api_key: str, key: str, body: bytes) -> F
         request = PaymentRequest.model_validate(json.loads(body))
     except (ValueError, RecursionError, ValidationError):
         return None  # not a valid payment request: the full path says why
-    services = scope["app"].state.services
-    caller = await keys.load_caller(services.lookups, clients.hash_api_key(api_key), key)
-    hand_over(scope, Lookup(api_key, key, caller))
-    if caller is None or caller.row is None:
+    lookup = await look_up(scope["app"].state.services, api_key, key)
+    hand_over(scope, lookup)
+    if lookup.caller is None or lookup.caller.row is None:
         return None
-    return stored_response(caller.row, fingerprint(request))
+    return stored_response(lookup.caller.row, fingerprint(request))

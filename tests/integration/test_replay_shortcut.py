@@ -23,7 +23,7 @@ from app.api import deps
 from app.api.replay_shortcut import ReplayShortcut
 from app.config import Settings
 from app.db.engine import open_lookup_pool
-from tests.support import charges, headers, payment_body
+from tests.support import charges, headers, key_row, payment_body, transfers
 
 pytestmark = pytest.mark.usefixtures("stack")
 
@@ -118,14 +118,21 @@ def _headers(client, key: str | None, body: bytes, **extra: str) -> list[tuple[s
 
 
 @pytest.mark.parametrize("chunk", [None, 7], ids=["one message", "in 7-byte pieces"])
-async def test_a_retry_of_a_finished_payment_is_answered_by_the_shortcut_alone(shortcut, acme, finished, chunk):
+async def test_a_retry_of_a_finished_payment_is_answered_by_the_shortcut_alone(
+    shortcut, db, acme, finished, chunk
+):
     body = json.dumps(finished["body"], indent=1).encode()
+    row_before = await key_row(db, acme.id, finished["key"])
     status, sent_headers, content, _ = await _call(shortcut, body, _headers(acme, finished["key"], body), chunk=chunk)
 
     assert status == 201 and content == finished["response"].content
     assert sent_headers["idempotent-replayed"] == "true"
     assert sent_headers["content-type"] == "application/json"
     assert shortcut[1].calls == []  # the rest of the application never saw it
+    # A replay is a read: the key row is as it was, and the PSP and the rail saw nothing.
+    assert await key_row(db, acme.id, finished["key"]) == row_before
+    assert len(await charges(db, finished["body"]["reference"])) == 1
+    assert len(await transfers(db, finished["body"]["reference"])) == 1
 
 
 async def test_a_retry_with_a_different_body_goes_on_with_the_read_handed_over(shortcut, acme, finished):
