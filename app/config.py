@@ -65,6 +65,11 @@ class Settings(BaseSettings):
     # After this many attempts whose outcome stayed unknown, an operation is
     # parked as indeterminate for reconciliation instead of being retried.
     max_attempts: int = Field(default=8, ge=1)
+    # A parked operation whose external system answers probes (a PSP charge
+    # or refund, a payout to a deduplicating rail) is asked again this often
+    # by the worker, and driven on once it answers: a PSP outage longer than
+    # the attempts allow heals by itself, with no person involved.
+    parked_recheck_seconds: float = Field(default=300.0, gt=0)
     # The recovery worker's backoff between attempts: base * 2^(n-1), capped.
     backoff_base_seconds: float = Field(default=1.0, gt=0)
     backoff_cap_seconds: float = Field(default=300.0, gt=0)

@@ -11,13 +11,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import asyncpg
-import httpx
-from httpx_aiohttp import AiohttpTransport
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import Settings
 from app.db.engine import build_engine, open_lookup_pool
 from app.rails.client import PSP, Rail
+from app.rails.transport import http_client
 
 
 @dataclass(frozen=True)
@@ -33,12 +32,10 @@ class Services:
 async def open_services(settings: Settings) -> AsyncIterator[Services]:
     engine = build_engine(settings)
     lookups = await open_lookup_pool(settings)
-    limits = httpx.Limits(max_connections=200, max_keepalive_connections=100)
-    # httpx's interface over aiohttp's connection handling: the same calls and
-    # exceptions, at a fraction of the CPU per request (see docs/performance.md).
-    transport = AiohttpTransport(limits=limits)
     try:
-        async with httpx.AsyncClient(transport=transport) as http:
+        # httpx's interface over aiohttp's connection handling, with each
+        # error meaning what httpx says it means (app/rails/transport.py).
+        async with http_client() as http:
             yield Services(
                 settings=settings,
                 engine=engine,

@@ -60,6 +60,7 @@ from app.api.deps import payment_caller
 from app.config import Settings, libpq_url
 from app.payments.models import Payment, PaymentRequest, fee_for
 from app.payments.service import submit_payment
+from app.rails.answers import Charge, Transfer
 from app.rails.outcomes import Applied
 from app.services import Services
 from bench.system import RESULTS, Server
@@ -168,10 +169,10 @@ class _Rail:
     """The PSP and the rail, both accepting at once."""
 
     async def charge(self, key: str, payment: Payment) -> Applied:
-        return Applied({"id": "ch_1", "status": "succeeded"})
+        return Applied(Charge(id="ch_1", status="succeeded"))
 
     async def transfer(self, key: str, payment: Payment) -> Applied:
-        return Applied({"id": "tr_1", "status": "accepted"})
+        return Applied(Transfer(id="tr_1", status="accepted"))
 
     def deduplicates(self, payment: Payment) -> bool:
         return True

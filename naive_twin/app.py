@@ -118,17 +118,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             os._exit(137)
         if not isinstance(charge, Applied):
             return Response(status_code=502)  # and the payment stays "processing" forever
-        if charge.record["status"] != "succeeded":
-            payment = await one_statement(engine, _one, _DECLINED, id=payment.id, charge_id=charge.record["id"],
-                                 code=charge.record.get("decline_code"))
+        if charge.record.status != "succeeded":
+            payment = await one_statement(engine, _one, _DECLINED, id=payment.id, charge_id=charge.record.id,
+                                 code=charge.record.decline_code)
             return Response(PaymentView.of(payment).body(), 201, media_type="application/json")
-        payment = await one_statement(engine, _one, _CHARGED, id=payment.id, charge_id=charge.record["id"],
+        payment = await one_statement(engine, _one, _CHARGED, id=payment.id, charge_id=charge.record.id,
                              e2e=end_to_end_reference(client_id, str(payment.id)))
         await one_statement(engine, _post, payment, "charge_captured", postings.charge_captured(payment))
         transfer = await services.rail.transfer(str(uuid.uuid4()), payment)
-        if not isinstance(transfer, Applied) or transfer.record["status"] != "accepted":
+        if not isinstance(transfer, Applied) or transfer.record.status != "accepted":
             return Response(status_code=502)  # no refund either: the counter-example stops here
-        payment = await one_statement(engine, _one, _PAID, id=payment.id, transfer_id=transfer.record["id"])
+        payment = await one_statement(engine, _one, _PAID, id=payment.id, transfer_id=transfer.record.id)
         await one_statement(engine, _post, payment, "payout_sent", postings.payout_sent(payment))
         return Response(PaymentView.of(payment).body(), 201, media_type="application/json")
 

@@ -123,21 +123,26 @@ CALLER_SQL = f"""
      WHERE c.api_key_hash = $1
 """
 
-# Diagram 4 of the seed: take over only from an owner that looks dead. Of two
-# concurrent retries, the second waits for the first's row lock, re-checks the
-# WHERE clause against the new lease, and gets no row.
+# Take over only from an owner that looks dead. Of two concurrent retries,
+# the second waits for the first's row lock, re-checks the WHERE clause
+# against the new lease, and gets no row. `not_sent` is read and reset in the
+# same statement: the last owner said it certainly sent nothing (so the new
+# owner need not probe), and from now on the new owner may send.
 _TAKE_OVER = text(
     f"""
-    UPDATE idempotency_key
+    UPDATE idempotency_key k
        SET lease_token = gen_random_uuid(),
            lease_expires_at = now() + make_interval(secs => :lease_seconds),
            attempts = attempts + 1,
+           not_sent = false,
            updated_at = now(),
            timeline = {_EVENT_NEW_ATTEMPT}
-     WHERE client_id = :client_id AND key = :key
-       AND state = 'started' AND parked_at IS NULL
-       AND (lease_expires_at IS NULL OR lease_expires_at < now())
-    RETURNING lease_token
+      FROM (SELECT not_sent FROM idempotency_key
+             WHERE client_id = :client_id AND key = :key FOR UPDATE) AS before
+     WHERE k.client_id = :client_id AND k.key = :key
+       AND k.state = 'started' AND k.parked_at IS NULL
+       AND (k.lease_expires_at IS NULL OR k.lease_expires_at < now())
+    RETURNING k.lease_token, before.not_sent
     """
 )
 
@@ -181,6 +186,7 @@ _RELEASE = text(
        SET lease_token = NULL,
            lease_expires_at = NULL,
            last_error = :error,
+           not_sent = :not_sent,
            next_attempt_at = now() + make_interval(secs => :retry_in),
            updated_at = now(),
            timeline = {_EVENT_IN_PLACE}
@@ -190,15 +196,20 @@ _RELEASE = text(
 )
 
 
-# Parking hands the operation to reconciliation: the takeover above skips
-# parked rows, so no retry and no worker resumes it blindly any more.
+# Parking stops the retries: the takeover above skips parked rows, so no
+# retry and no worker resumes it blindly any more. Where the external system
+# answers probes, the worker asks it again at `next_attempt_at` (every
+# PARKED_RECHECK_SECONDS, see _CLAIM_RECHECK); a parked payout to a rail that
+# cannot be probed waits for reconciliation.
 _PARK = text(
     f"""
     UPDATE idempotency_key
        SET lease_token = NULL,
            lease_expires_at = NULL,
            parked_at = now(),
+           next_attempt_at = now() + make_interval(secs => :recheck_in),
            last_error = :error,
+           not_sent = :not_sent,
            updated_at = now(),
            timeline = {_EVENT_IN_PLACE}
      WHERE client_id = :client_id AND key = :key
@@ -206,14 +217,18 @@ _PARK = text(
     """
 )
 
-# Reconciliation, and only reconciliation, takes a parked operation back: it
-# has learned the outcome from the rail's statement, so it is no longer blind.
+# A parked operation is taken back only by someone who has learned something
+# about it: reconciliation, from the rail's statement, or the worker's
+# re-probe, from the external system's answer. It is due for the recovery
+# sweep at once, in case its new owner dies too.
 _UNPARK = text(
     f"""
     UPDATE idempotency_key
        SET parked_at = NULL,
            lease_token = gen_random_uuid(),
            lease_expires_at = now() + make_interval(secs => :lease_seconds),
+           next_attempt_at = now(),
+           not_sent = false,
            attempts = attempts + 1,
            updated_at = now(),
            timeline = {_EVENT_NEW_ATTEMPT}
@@ -241,6 +256,32 @@ _STRANDED = text(
 )
 
 
+# The worker's re-probe of a parked operation: claim this round of it by
+# moving `next_attempt_at` on, so that of several workers one asks, and asks
+# again only after `recheck_in` seconds. It writes no timeline entry and no
+# attempt: a re-probe that learns nothing leaves the row as it was.
+_CLAIM_RECHECK = text(
+    """
+    UPDATE idempotency_key
+       SET next_attempt_at = now() + make_interval(secs => :recheck_in)
+     WHERE client_id = :client_id AND key = :key
+       AND state = 'started' AND parked_at IS NOT NULL AND next_attempt_at <= now()
+    RETURNING recovery_point, payment_id
+    """
+)
+
+# Parked operations due for a re-probe (the partial index idempotency_key_parked).
+_PARKED_DUE = text(
+    """
+    SELECT client_id, key
+      FROM idempotency_key
+     WHERE state = 'started' AND parked_at IS NOT NULL AND next_attempt_at <= now()
+     ORDER BY next_attempt_at
+     LIMIT :limit
+    """
+)
+
+
 async def load(conn: AsyncConnection, client_id: int, key: str) -> KeyRow | None:
     row = (await conn.execute(_LOAD, dict(client_id=client_id, key=key))).mappings().one_or_none()
     return None if row is None else KeyRow(**row)
@@ -261,28 +302,52 @@ async def load_caller(pool: asyncpg.Pool, api_key_hash: bytes, key: str) -> Call
 
 async def take_over(
     conn: AsyncConnection, client_id: int, key: str, lease_seconds: float, *, event: str
-) -> Lease | None:
-    """Become the owner of an unfinished operation whose lease has run out."""
-    token = (
+) -> tuple[Lease, bool] | None:
+    """Become the owner of an unfinished operation whose lease has run out.
+
+    Also returns whether the last owner said it certainly sent nothing
+    (`not_sent`): then the call need not be probed before it is sent.
+    """
+    row = (
         await conn.execute(
             _TAKE_OVER,
             dict(client_id=client_id, key=key, lease_seconds=lease_seconds, event=event),
         )
-    ).scalar_one_or_none()
-    return None if token is None else Lease(client_id, key, token)
+    ).one_or_none()
+    return None if row is None else (Lease(client_id, key, row.lease_token), row.not_sent)
 
 
-async def release(conn: AsyncConnection, lease: Lease, error: str, retry_in: float, *, event: str) -> None:
+async def release(
+    conn: AsyncConnection, lease: Lease, error: str, retry_in: float, *, event: str, not_sent: bool = False
+) -> None:
     """Give up ownership without changing the recovery point, or raise LeaseLost.
 
     The worker will not try again for `retry_in` seconds (a client retry may).
+    `not_sent`: this attempt certainly sent nothing at this recovery point.
     """
-    await _fenced(conn, _RELEASE, lease, error=error, retry_in=retry_in, event=event)
+    await _fenced(conn, _RELEASE, lease, error=error, retry_in=retry_in, event=event, not_sent=not_sent)
 
 
-async def park(conn: AsyncConnection, lease: Lease, error: str, *, event: str) -> None:
-    """Give up for good: the outcome stays unknown and reconciliation settles it."""
-    await _fenced(conn, _PARK, lease, error=error, event=event)
+async def park(
+    conn: AsyncConnection, lease: Lease, error: str, recheck_in: float, *, event: str, not_sent: bool = False
+) -> None:
+    """Stop retrying: the outcome stays unknown until a re-probe or reconciliation learns it."""
+    await _fenced(conn, _PARK, lease, error=error, recheck_in=recheck_in, event=event, not_sent=not_sent)
+
+
+async def claim_recheck(
+    conn: AsyncConnection, client_id: int, key: str, recheck_in: float
+) -> tuple[str, uuid.UUID] | None:
+    """(recovery point, payment id) of a parked operation whose re-probe is due, now ours to make; else None."""
+    row = (
+        await conn.execute(_CLAIM_RECHECK, dict(client_id=client_id, key=key, recheck_in=recheck_in))
+    ).one_or_none()
+    return None if row is None else (row.recovery_point, row.payment_id)
+
+
+async def parked_due(conn: AsyncConnection, *, limit: int) -> list[tuple[int, str]]:
+    rows = await conn.execute(_PARKED_DUE, dict(limit=limit))
+    return [(r.client_id, r.key) for r in rows]
 
 
 async def unpark(conn: AsyncConnection, client_id: int, key: str, lease_seconds: float, *, event: str) -> tuple[Lease, int] | None:

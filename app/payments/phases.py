@@ -43,6 +43,7 @@ from app.payments.recovery_points import (
     EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED, STEP_CHARGE, STEP_REFUND, STEP_TRANSFER,
 )
 from app.problems import DUPLICATE_PAYMENT, ProblemError
+from app.rails.answers import Charge, Refund, Transfer
 from app.workers import ticks
 from app.workers.ticks import RunLease
 
@@ -62,6 +63,8 @@ class Operation:
     # True when an earlier attempt may already have made this point's external
     # call (we took the operation over from a dead owner, or from one that
     # released it after an unknown outcome): the runner probes before it sends.
+    # False for a fresh intent, and after a release that said the call was
+    # certainly not sent (a refused connection).
     resumed: bool
     # Which attempt this is (1 for the first owner, +1 per takeover).
     attempt: int = 1
@@ -128,17 +131,18 @@ async def take_over(conn: AsyncConnection, client_id: int, key: str, lease_secon
     if it is merely slow rather than dead, is fenced off from then on.
     None means someone else holds a live lease (or just took it over).
     """
-    lease = await keys.take_over(conn, client_id, key, lease_seconds, event="taken over")
-    if lease is None:
+    taken = await keys.take_over(conn, client_id, key, lease_seconds, event="taken over")
+    if taken is None:
         return None
+    lease, not_sent = taken
     row = await keys.load(conn, client_id, key)
     assert row is not None and row.payment_id is not None
     payment = await payments.get(conn, client_id, row.payment_id)
     assert payment is not None
-    return Operation(lease, row.recovery_point, payment, resumed=True, attempt=row.attempts)
+    return Operation(lease, row.recovery_point, payment, resumed=not not_sent, attempt=row.attempts)
 
 
-async def record_charge(conn: AsyncConnection, op: Operation, charge: dict[str, Any], lease_seconds: float) -> Operation:
+async def record_charge(conn: AsyncConnection, op: Operation, charge: Charge, lease_seconds: float) -> Operation:
     """External1's outcome, then Handler2, then the intent to call External2.
 
     Durable after commit, if the charge succeeded: the charge id, the ledger's
@@ -150,16 +154,17 @@ async def record_charge(conn: AsyncConnection, op: Operation, charge: dict[str, 
     Crash after commit: the resumer starts at EXT2_SENT and never charges again.
     """
     client_id, key = op.lease.client_id, op.lease.key
-    if charge["status"] != "succeeded":
-        declined = replace(
-            op.payment, status="declined", psp_charge_id=charge["id"], decline_code=charge.get("decline_code")
-        )
+    # `charge.status` is one of the PSP's documented final statuses: anything
+    # else never got this far (app/rails/answers.py), so "not succeeded"
+    # really is a decline.
+    if charge.status == "declined":
+        declined = replace(op.payment, status="declined", psp_charge_id=charge.id, decline_code=charge.decline_code)
         return await _finish(conn, op, sql.CHARGE_DECLINED, declined, event="charge declined",
-                             charge_id=charge["id"], decline_code=charge.get("decline_code"))
+                             charge_id=charge.id, decline_code=charge.decline_code)
     payment = await _fenced(
         conn, sql.CHARGE_CAPTURED, op,
         recovery_point=EXT2_SENT, lease_seconds=lease_seconds, event="charge succeeded",
-        charge_id=charge["id"],
+        charge_id=charge.id,
         e2e=end_to_end_reference(client_id, key),
         transfer_key=derived_key(client_id, key, STEP_TRANSFER),
         **postings.legs("charge_captured", postings.charge_captured(op.payment)),
@@ -167,7 +172,7 @@ async def record_charge(conn: AsyncConnection, op: Operation, charge: dict[str, 
     return replace(op, recovery_point=EXT2_SENT, payment=payment, resumed=False)
 
 
-async def record_transfer(conn: AsyncConnection, op: Operation, transfer: dict[str, Any], lease_seconds: float) -> Operation:
+async def record_transfer(conn: AsyncConnection, op: Operation, transfer: Transfer, lease_seconds: float) -> Operation:
     """External2's outcome, then Handler3 (or the intent to compensate).
 
     Durable after commit, if the rail accepted: the transfer id, the ledger's
@@ -178,23 +183,25 @@ async def record_transfer(conn: AsyncConnection, op: Operation, transfer: dict[s
     rail by end-to-end reference, finds this transfer and records it then.
     Crash after commit: nothing is left to do but replay (or refund).
     """
-    if transfer["status"] == "accepted":
-        paid = replace(op.payment, status="succeeded", rail_transfer_id=transfer["id"])
+    if transfer.status == "accepted":
+        paid = replace(op.payment, status="succeeded", rail_transfer_id=transfer.id)
         return await _finish(
-            conn, op, sql.PAYOUT_SENT, paid, event="transfer accepted", transfer_id=transfer["id"],
+            conn, op, sql.PAYOUT_SENT, paid, event="transfer accepted", transfer_id=transfer.id,
             **postings.legs("payout_sent", postings.payout_sent(op.payment)),
         )
+    # "rejected", the rail's only other documented final status: it will
+    # never pay this out, so the charge is refunded.
     payment = await _fenced(
         conn, sql.PAYOUT_REJECTED, op,
         recovery_point=EXT3_SENT, lease_seconds=lease_seconds, event="transfer rejected",
-        transfer_id=transfer["id"],
-        reject_reason=transfer.get("reject_reason"),
+        transfer_id=transfer.id,
+        reject_reason=transfer.reject_reason,
         refund_key=derived_key(op.lease.client_id, op.lease.key, STEP_REFUND),
     )
     return replace(op, recovery_point=EXT3_SENT, payment=payment, resumed=False)
 
 
-async def record_refund(conn: AsyncConnection, op: Operation, refund: dict[str, Any], lease_seconds: float) -> Operation:
+async def record_refund(conn: AsyncConnection, op: Operation, refund: Refund, lease_seconds: float) -> Operation:
     """The compensating refund's outcome: the payment ends failed, money returned.
 
     Durable after commit: the refund id, the ledger's `charge_refunded`
@@ -203,38 +210,67 @@ async def record_refund(conn: AsyncConnection, op: Operation, refund: dict[str, 
     Crash before commit: the row still says EXT3_SENT; the resumer probes the
     PSP by K3, finds this refund and records it then: one refund, never two.
     """
-    failed = replace(op.payment, status="failed", psp_refund_id=refund["id"])
+    failed = replace(op.payment, status="failed", psp_refund_id=refund.id)
     return await _finish(
-        conn, op, sql.CHARGE_REFUNDED, failed, event="charge refunded", refund_id=refund["id"],
+        conn, op, sql.CHARGE_REFUNDED, failed, event="charge refunded", refund_id=refund.id,
         **postings.legs("charge_refunded", postings.charge_refunded(op.payment)),
     )
 
 
 async def release(
-    conn: AsyncConnection, op: Operation, reason: str, retry_in: float, *, event: str = "outcome unknown, released"
+    conn: AsyncConnection,
+    op: Operation,
+    reason: str,
+    retry_in: float,
+    *,
+    event: str = "outcome unknown, released",
+    not_sent: bool = False,
 ) -> None:
-    """Give the operation up at its current SENT point: the outcome is unknown.
+    """Give the operation up at its current SENT point: the outcome is not known yet.
 
     Durable after commit: the same recovery point, no owner, the reason, and
-    when the recovery worker may try again. A client retry may take over at
-    once; either probes with the same derived key and carries on. Nothing is
-    reported as failed, because nothing is known to have failed.
+    when the recovery worker may try again; `not_sent` if this attempt
+    certainly sent nothing (the next owner may then send without probing).
+    A client retry may take over at once; either probes with the same derived
+    key (unless not_sent) and carries on. Nothing is reported as failed,
+    because nothing is known to have failed.
     """
-    await keys.release(conn, op.lease, reason, retry_in, event=event)
+    await keys.release(conn, op.lease, reason, retry_in, event=event, not_sent=not_sent)
 
 
-async def park(conn: AsyncConnection, op: Operation, reason: str) -> Payment:
-    """Stop trying: the outcome stayed unknown through every attempt.
+async def park(conn: AsyncConnection, op: Operation, reason: str, recheck_in: float, *, not_sent: bool = False) -> Payment:
+    """Stop retrying: the outcome stayed unknown through every attempt allowed.
 
     Durable after commit: the payment is `indeterminate` and the key row is
-    parked at its SENT point with no owner. Nobody resumes it blindly from
-    here; reconciliation against the external system's records settles it.
+    parked at its SENT point with no owner, due for a re-probe in
+    `recheck_in` seconds. Nobody resumes it blindly from here: the worker's
+    re-probe (where the external system answers probes) or reconciliation
+    against the rail's statements takes it back once it has learned something.
     Crash before commit: nothing changed; once the lease runs out the next
     attempt takes over, probes once more, and parks it if the outcome is
     still unknown.
     """
-    await keys.park(conn, op.lease, reason, event="parked for reconciliation")
+    await keys.park(conn, op.lease, reason, recheck_in, event="parked", not_sent=not_sent)
     return await payments.update(conn, "indeterminate", op.payment.id)
+
+
+async def unpark(conn: AsyncConnection, client_id: int, key: str, lease_seconds: float, *, event: str) -> Operation | None:
+    """Take a parked operation back, by someone who has learned something about it.
+
+    Durable after commit: the key row is unparked with a new lease (one more
+    attempt, the event on the timeline) and the payment is `processing` again.
+    The new owner resumes at the same recovery point, probing first.
+    Crash after commit: the lease runs out and the recovery worker resumes it.
+    None if it is not parked any more (somebody else took it back first).
+    """
+    taken = await keys.unpark(conn, client_id, key, lease_seconds, event=event)
+    if taken is None:
+        return None
+    lease, attempt = taken
+    row = await keys.load(conn, client_id, key)
+    assert row is not None and row.payment_id is not None
+    payment = await payments.update(conn, "reopened", row.payment_id)
+    return Operation(lease, row.recovery_point, payment, resumed=True, attempt=attempt)
 
 
 async def settle_parked(
@@ -242,7 +278,7 @@ async def settle_parked(
     run: RunLease,
     client_id: int,
     key: str,
-    transfer: dict[str, Any],
+    transfer: Transfer,
     *,
     run_lease_seconds: float,
     lease_seconds: float,
@@ -262,14 +298,9 @@ async def settle_parked(
     None if the operation is no longer parked (settled by someone else).
     """
     await ticks.renew(conn, run, run_lease_seconds)
-    taken = await keys.unpark(conn, client_id, key, lease_seconds, event="settled by reconciliation")
-    if taken is None:
+    op = await unpark(conn, client_id, key, lease_seconds, event="settled by reconciliation")
+    if op is None:
         return None
-    lease, attempt = taken
-    row = await keys.load(conn, client_id, key)
-    assert row is not None and row.payment_id is not None
-    payment = await payments.update(conn, "reopened", row.payment_id)
-    op = Operation(lease, row.recovery_point, payment, resumed=True, attempt=attempt)
     return await record_transfer(conn, op, transfer, lease_seconds)
 
 

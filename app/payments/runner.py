@@ -12,11 +12,18 @@ no record. A rail that cannot deduplicate (a legacy rail) is never probed
 and never sent a payout twice: a resumed owner does not send at all, and its
 first unknown outcome parks the payment for reconciliation.
 
-If the outcome stays unknown after one inline probe, it releases
-the operation at the same recovery point (the worker retries it later, with
-backoff) or, after `max_attempts`, parks it as indeterminate for
-reconciliation; either way it reports it pending: unknown is never reported
-as failed.
+Every way a step can end without an applied answer is handled the same way
+(`_give_up`): an unknown outcome, a call certainly not applied (a refused
+connection), and an exception (a bug, a lost database connection) each count
+as an attempt; the operation is released at the same recovery point, to be
+retried after a backoff with jitter, or parked after `max_attempts`. Nothing
+retries at once and nothing ignores the limit, so no fault can make a
+payment loop. Either way the caller hears "pending": unknown is never
+reported as failed.
+
+A parked operation is not forgotten: where the external system answers
+probes, the worker asks it again every `parked_recheck_seconds` (`heal`)
+and drives the payment on once it answers.
 """
 
 from __future__ import annotations
@@ -27,14 +34,16 @@ import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from app.db.transaction import atomic, one_statement
+from app.db.transaction import atomic, one_statement, read
+from app.idempotency import store as keys
+from app.idempotency.store import LeaseLost
 from app.payments import crash_points, phases
+from app.payments import store as payments
 from app.payments.models import Payment
 from app.payments.phases import Operation
-from app.idempotency.store import LeaseLost
 from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED
+from app.rails.outcomes import Applied, CallOutcome, NotApplied, ProbeOutcome, Unknown
 from app.services import Services
-from app.rails.outcomes import Applied, CallOutcome, ProbeOutcome, Unknown
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +56,7 @@ class Finished:
 
 @dataclass(frozen=True)
 class Pending:
-    """The operation is released (or parked) at a SENT point whose outcome is unknown."""
+    """The operation is released (or parked) at a SENT point whose outcome is not known yet."""
 
     payment: Payment
     reason: str
@@ -55,29 +64,29 @@ class Pending:
 
 @dataclass(frozen=True)
 class _Step:
-    send: Callable[[Services, Operation], Awaitable[CallOutcome]]
-    probe: Callable[[Services, Operation], Awaitable[ProbeOutcome]]
+    send: Callable[[Services, Payment], Awaitable[CallOutcome]]
+    probe: Callable[[Services, Payment], Awaitable[ProbeOutcome]]
     record: Callable[..., Awaitable[Operation]]
     # Whether the external system deduplicates this call by its key and
     # answers probes, so that probing and re-sending are safe.
-    repeatable: Callable[[Services, Operation], bool] = lambda s, op: True
+    repeatable: Callable[[Services, Payment], bool] = lambda s, p: True
 
 
 _STEPS = {
     EXT1_SENT: _Step(
-        send=lambda s, op: s.psp.charge(op.payment.psp_charge_key, op.payment),
-        probe=lambda s, op: s.psp.find_charge(op.payment.psp_charge_key),
+        send=lambda s, p: s.psp.charge(p.psp_charge_key, p),
+        probe=lambda s, p: s.psp.find_charge(p.psp_charge_key),
         record=phases.record_charge,
     ),
     EXT2_SENT: _Step(
-        send=lambda s, op: s.rail.transfer(op.payment.rail_transfer_key, op.payment),
-        probe=lambda s, op: s.rail.find_transfer(op.payment.end_to_end_reference),
+        send=lambda s, p: s.rail.transfer(p.rail_transfer_key, p),
+        probe=lambda s, p: s.rail.find_transfer(p.end_to_end_reference),
         record=phases.record_transfer,
-        repeatable=lambda s, op: s.rail.deduplicates(op.payment),
+        repeatable=lambda s, p: s.rail.deduplicates(p),
     ),
     EXT3_SENT: _Step(
-        send=lambda s, op: s.psp.refund(op.payment.psp_refund_key, op.payment),
-        probe=lambda s, op: s.psp.find_refund(op.payment.psp_refund_key),
+        send=lambda s, p: s.psp.refund(p.psp_refund_key, p),
+        probe=lambda s, p: s.psp.find_refund(p.psp_refund_key),
         record=phases.record_refund,
     ),
 }
@@ -86,59 +95,80 @@ _STEPS = {
 async def drive(services: Services, op: Operation) -> Finished | Pending:
     """Run the remaining steps of `op`; raises LeaseLost if it is taken over meanwhile.
 
-    If anything else interrupts it (a bug, a lost database, the task being
-    cancelled because the worker is shutting down), the lease is given back
-    before the exception travels on, so the next actor can resume at once
-    instead of waiting for the lease to run out.
+    Anything that stops a step short (an outcome that is not applied, or an
+    exception) is handed to `_give_up`. Only two things leave here as
+    exceptions: LeaseLost, and a database that cannot even record the give-up
+    (then the lease simply runs out and the next actor resumes). If the task
+    is cancelled (a worker or an API process shutting down), the lease is
+    given back at once, so that the next actor need not wait for it to run out.
     """
-    try:
-        return await _drive(services, op)
-    except LeaseLost:
-        raise
-    except BaseException as exc:
-        await asyncio.shield(_release_after_error(services, op, exc))
-        raise
-
-
-async def _release_after_error(services: Services, op: Operation, exc: BaseException) -> None:
-    try:
-        await atomic(
-            services.engine, phases.release, op, f"interrupted: {exc!r}"[:500], 0.0, event="interrupted, released"
-        )
-    except LeaseLost:
-        pass  # finished or taken over meanwhile: nothing of ours to release
-    except Exception:
-        log.exception("could not release %r; its lease will simply expire", op.lease.key)
-
-
-async def _drive(services: Services, op: Operation) -> Finished | Pending:
-    crash_at = services.settings.payments_crash_at
     while op.recovery_point != FINISHED:
-        step = _STEPS[op.recovery_point]
-        repeatable = step.repeatable(services, op)
-        outcome = await _call(services, step, op) if repeatable else await _call_once(services, step, op)
-        if isinstance(outcome, Unknown):
-            return await _give_up(services, op, outcome.reason, final=not repeatable)
-        crash_points.reached(crash_at, f"after-call-{crash_points.CALL_OF[op.recovery_point]}")
-        op = await one_statement(services.engine, step.record, op, outcome.record, services.settings.lease_seconds)
-        crash_points.reached(crash_at, f"after-commit-{op.recovery_point}")
+        try:
+            result = await _step(services, op)
+        except LeaseLost:
+            raise
+        except Exception as exc:
+            # A bug, or the database lost between the call and its record.
+            # Whatever the call did, the recovery point still says it may
+            # have been made, so the next attempt probes: handled exactly as
+            # an unknown outcome.
+            log.exception("driving %r at %s was interrupted", op.lease.key, op.recovery_point)
+            result = Unknown(f"interrupted by {type(exc).__name__}")
+        except BaseException:
+            await asyncio.shield(_release_now(services, op))
+            raise
+        if isinstance(result, Operation):
+            op = result
+            continue
+        final = isinstance(result, Unknown) and not _STEPS[op.recovery_point].repeatable(services, op.payment)
+        return await _give_up(services, op, result, final=final)
     assert op.response is not None
     return Finished(*op.response)
 
 
-async def _give_up(services: Services, op: Operation, reason: str, *, final: bool = False) -> Pending:
+async def _step(services: Services, op: Operation) -> Operation | NotApplied | Unknown:
+    """Make the call this recovery point names and record its outcome: the next operation, or why not."""
+    crash_at = services.settings.payments_crash_at
+    step = _STEPS[op.recovery_point]
+    if step.repeatable(services, op.payment):
+        outcome = await _call(services, step, op)
+    else:
+        outcome = await _call_once(services, step, op)
+    if not isinstance(outcome, Applied):
+        return outcome
+    crash_points.reached(crash_at, f"after-call-{crash_points.CALL_OF[op.recovery_point]}")
+    op = await one_statement(services.engine, step.record, op, outcome.record, services.settings.lease_seconds)
+    crash_points.reached(crash_at, f"after-commit-{op.recovery_point}")
+    return op
+
+
+async def _give_up(services: Services, op: Operation, outcome: NotApplied | Unknown, *, final: bool) -> Pending:
     """Release the operation for a later attempt, or park it after the last one.
 
     `final` parks at once: no later attempt could learn more (a legacy rail
-    can neither be probed nor safely sent the transfer again).
+    can neither be probed nor safely sent the transfer again). A call that
+    was certainly not applied is never final: it is safe to send later.
     """
     settings = services.settings
+    not_sent = isinstance(outcome, NotApplied)
     if final or op.attempt >= settings.max_attempts:
-        payment = await atomic(services.engine, phases.park, op, reason)
-        return Pending(payment, reason)
+        payment = await atomic(
+            services.engine, phases.park, op, outcome.reason, settings.parked_recheck_seconds, not_sent=not_sent
+        )
+        return Pending(payment, outcome.reason)
     retry_in = backoff_seconds(op.attempt, settings.backoff_base_seconds, settings.backoff_cap_seconds)
-    await one_statement(services.engine, phases.release, op, reason, retry_in)
-    return Pending(op.payment, reason)
+    await one_statement(services.engine, phases.release, op, outcome.reason, retry_in, not_sent=not_sent)
+    return Pending(op.payment, outcome.reason)
+
+
+async def _release_now(services: Services, op: Operation) -> None:
+    """Give the lease back without waiting: the process is stopping, nothing failed."""
+    try:
+        await one_statement(services.engine, phases.release, op, "interrupted: stopping", 0.0, event="stopping, released")
+    except LeaseLost:
+        pass  # finished or taken over meanwhile: nothing of ours to release
+    except Exception:
+        log.exception("could not release %r; its lease will simply expire", op.lease.key)
 
 
 def backoff_seconds(attempt: int, base: float, cap: float) -> float:
@@ -152,28 +182,61 @@ def backoff_seconds(attempt: int, base: float, cap: float) -> float:
 
 
 async def _call_once(services: Services, step: _Step, op: Operation) -> CallOutcome:
-    """A call to a system that cannot deduplicate: at most one send, ever.
+    """A call to a system that cannot deduplicate: at most one send that may have landed, ever.
 
     A resumed owner cannot tell whether the dead one sent it (there is no
     probe), and sending again could pay twice, so it does not send at all.
+    Only a release that said the call was certainly not sent (a refused
+    connection) lets the next owner send (`op.resumed` is False then).
     """
     if op.resumed:
-        return Unknown("the transfer may have been sent and this rail can neither be probed nor deduplicate")
-    return await step.send(services, op)
+        return Unknown("the payout may have been sent and this rail can neither be probed nor deduplicate")
+    return await step.send(services, op.payment)
 
 
 async def _call(services: Services, step: _Step, op: Operation) -> CallOutcome:
     if op.resumed:
         # A dead or timed-out attempt may have sent this call already: only a
         # definite NotFound lets us send (and even then with the same key).
-        found = await step.probe(services, op)
+        found = await step.probe(services, op.payment)
         if isinstance(found, (Applied, Unknown)):
             return found
-    sent = await step.send(services, op)
+    sent = await step.send(services, op.payment)
     if isinstance(sent, Unknown):
         # One cheap probe is worth trying inline: a timed-out call that was
         # applied is then recorded now instead of by the next actor.
-        found = await step.probe(services, op)
+        found = await step.probe(services, op.payment)
         if isinstance(found, Applied):
             return found
     return sent
+
+
+async def heal(services: Services, client_id: int, key: str) -> Finished | Pending | None:
+    """Ask the external system about a parked operation again; drive it on once it answers.
+
+    Made by the worker every `parked_recheck_seconds` per parked operation.
+    A re-probe that learns nothing (still Unknown) is not an attempt: the
+    row keeps its attempts and its timeline, only its next re-probe time
+    moves. A probe that answers (applied, or definitely not found) takes the
+    operation back (`phases.unpark`, one timeline entry) and drives it from
+    its recovery point as any resumer would: probe, then record what was
+    applied, or send again with the same derived key what was not found.
+    A payout to a rail that cannot be probed is left to reconciliation.
+    None: nothing was learned, or someone else has it.
+    """
+    settings = services.settings
+    claimed = await one_statement(services.engine, keys.claim_recheck, client_id, key, settings.parked_recheck_seconds)
+    if claimed is None:
+        return None
+    recovery_point, payment_id = claimed
+    payment = await read(services.engine, payments.get, client_id, payment_id)
+    step = _STEPS[recovery_point]
+    if payment is None or not step.repeatable(services, payment):
+        return None
+    if isinstance(await step.probe(services, payment), Unknown):
+        return None
+    op = await atomic(services.engine, phases.unpark, client_id, key, settings.lease_seconds, event="re-probe answered")
+    if op is None:
+        return None
+    log.info("re-probe of parked %r at %s answered; resuming", key, recovery_point)
+    return await drive(services, op)

@@ -4,71 +4,143 @@ They run between phases, with no transaction and no pooled database connection
 held (the runner calls them outside `app.db.transaction`). Every POST carries
 a derived idempotency key, so sending it again after a crash, a timeout or a
 429 is a replay at the external system, never a second charge or transfer.
+
+Every exchange ends as one of the outcomes of app/rails/outcomes.py, decided
+here and only here, by an allow-list:
+
+    2xx whose body parses as a documented answer   Applied
+    2xx with anything else in it                   Unknown (never a decline)
+    connection refused: nothing was sent           NotApplied
+    429, or a 400/404/409 refusal                  NotApplied (documented as storing nothing)
+    timeout, reset, not HTTP, 5xx, anything else   Unknown
+  probes:
+    200 with a documented answer                   Applied
+    404 with the documented not-found problem      NotFound
+    anything else                                  Unknown
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 from datetime import date
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import ValidationError
 
 from app.payments.models import Payment
-from app.rails.outcomes import Applied, CallOutcome, NotFound, ProbeOutcome, Unknown
+from app.rails.answers import Answer, Charge, Refund, Statement, Transfer
+from app.rails.outcomes import Applied, CallOutcome, NotApplied, NotFound, ProbeOutcome, Unknown
 
-# Statuses that promise nothing was applied and a retry may succeed.
+log = logging.getLogger(__name__)
+
+A = TypeVar("A", bound=Answer)
+
+# Refusals both fakes document as "nothing was recorded" (docs/fake-rails.md):
+# rate limited, an invalid request, a refund of an unknown charge, a refund
+# the charge cannot cover. A 422 is deliberately not here: it says our key is
+# already stored, with another body.
+_REFUSED = {400, 404, 409, 429}
+# Worth an inline retry with the same key, a moment later: rate limiting, an
+# overloaded server, a connection that could not be made.
 _TRANSIENT = {429, 503}
 # However long Retry-After says, an inline retry waits at most this long; a
 # longer wait belongs to the client's retry or the recovery worker.
 _MAX_INLINE_WAIT = 1.0
+_RECONNECT_WAIT = 0.1
 
 
 class ExternalService:
-    def __init__(self, http: httpx.AsyncClient, base_url: str, timeout: float, transient_retries: int) -> None:
+    def __init__(
+        self, name: str, http: httpx.AsyncClient, base_url: str, timeout: float, transient_retries: int
+    ) -> None:
+        self.name = name
         self._http = http
         self._base = base_url.rstrip("/")
         self._timeout = timeout
         self._retries = transient_retries
 
-    async def _send(self, path: str, key: str, body: dict[str, Any], *, retries: int | None = None) -> CallOutcome:
-        retries = self._retries if retries is None else retries
-        for attempt in range(retries + 1):
-            try:
-                response = await self._http.post(
-                    self._base + path, json=body, headers={"Idempotency-Key": key}, timeout=self._timeout
-                )
-            except httpx.ConnectError as exc:
-                # The connection was never made, so nothing was sent: retryable.
-                last, wait = Unknown(f"cannot connect to {self._base}: {exc}"), 0.1
-            except httpx.HTTPError as exc:
-                # A timeout or a connection lost after sending: it may have applied.
-                return Unknown(f"{type(exc).__name__} calling {path}")
-            else:
-                if response.status_code in (200, 201):
-                    return Applied(response.json())
-                if response.status_code not in _TRANSIENT:
-                    return Unknown(f"HTTP {response.status_code} from {path}: {response.text[:200]}")
-                last = Unknown(f"HTTP {response.status_code} from {path} after {attempt + 1} tries")
-                wait = _retry_after(response)
-            if attempt < retries:
-                await asyncio.sleep(wait)
-        return last
+    async def _send(
+        self, path: str, key: str, body: dict[str, Any], answer: type[A], *, repeatable: bool = True
+    ) -> CallOutcome:
+        """POST with the derived key; transient refusals are retried inline, with the same key.
 
-    async def _probe(self, path: str, params: dict[str, str] | None = None) -> ProbeOutcome:
+        On a system that cannot deduplicate (`repeatable=False`) only a
+        NotApplied outcome is retried: after anything else the first POST
+        may have been applied, and a second one could pay twice.
+        """
+        for attempt in range(self._retries + 1):
+            outcome, wait = await self._post(path, key, body, answer)
+            retry = wait is not None and (repeatable or isinstance(outcome, NotApplied))
+            if not retry or attempt == self._retries:
+                return outcome
+            await asyncio.sleep(wait)
+        raise AssertionError("unreachable")
+
+    async def _post(
+        self, path: str, key: str, body: dict[str, Any], answer: type[A]
+    ) -> tuple[CallOutcome, float | None]:
+        """One POST: its outcome, and how long to wait before an inline retry (None: do not)."""
+        try:
+            response = await self._http.post(
+                self._base + path, json=body, headers={"Idempotency-Key": key}, timeout=self._timeout
+            )
+        except httpx.ConnectError:
+            return NotApplied(f"{self.name}: cannot connect"), _RECONNECT_WAIT
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the call may have been applied
+            return Unknown(self._broken(exc)), None
+        if response.is_success:
+            return self._answer(response, answer), None
+        wait = _retry_after(response) if response.status_code in _TRANSIENT else None
+        if response.status_code in _REFUSED:
+            return NotApplied(f"{self.name}: refused (HTTP {response.status_code})"), wait
+        return Unknown(f"{self.name}: HTTP {response.status_code}"), wait
+
+    async def _probe(self, path: str, answer: type[A], params: dict[str, str] | None = None) -> ProbeOutcome:
         try:
             response = await self._http.get(self._base + path, params=params, timeout=self._timeout)
-        except httpx.HTTPError as exc:
-            return Unknown(f"probe {path} failed: {type(exc).__name__}")
+        except Exception as exc:  # noqa: BLE001 - a probe that breaks learns nothing
+            return Unknown(self._broken(exc))
         if response.status_code == 200:
-            return Applied(response.json())
-        if response.status_code == 404:
+            return self._answer(response, answer)
+        if response.status_code == 404 and _is_documented_not_found(response):
             return NotFound()
-        return Unknown(f"probe {path}: HTTP {response.status_code}")
+        return Unknown(f"{self.name}: probe answered HTTP {response.status_code}")
+
+    def _answer(self, response: httpx.Response, answer: type[A]) -> Applied | Unknown:
+        """Applied only if the body is a documented answer with an id (app/rails/answers.py)."""
+        try:
+            record = answer.model_validate_json(response.content)
+        except ValidationError as exc:
+            status = _status_field(response)
+            if status is not None:
+                log.warning("%s answered an undocumented %s status", self.name, answer.__name__.lower())
+                return Unknown(f"{self.name}: undocumented status {status[:40]!r}")
+            log.warning("%s answered a malformed %s: %s", self.name, answer.__name__.lower(), exc.error_count())
+            return Unknown(f"{self.name}: malformed answer")
+        if not record.id:
+            return Unknown(f"{self.name}: answer without an id")
+        return Applied(record)
+
+    def _broken(self, exc: Exception) -> str:
+        """A short, classified reason for a broken exchange: no URL, no exception text."""
+        if isinstance(exc, httpx.TimeoutException):
+            return f"{self.name}: timed out"
+        if isinstance(exc, httpx.RemoteProtocolError):
+            return f"{self.name}: no valid HTTP answer"
+        if isinstance(exc, httpx.TransportError):
+            return f"{self.name}: connection lost"
+        log.warning("%s exchange failed unexpectedly: %s", self.name, type(exc).__name__)
+        return f"{self.name}: unexpected transport error"
 
 
 class PSP(ExternalService):
     """External system 1: charges the payer's card, and refunds it if the payout fails."""
+
+    def __init__(self, http: httpx.AsyncClient, base_url: str, timeout: float, transient_retries: int) -> None:
+        super().__init__("psp", http, base_url, timeout, transient_retries)
 
     async def charge(self, key: str, payment: Payment) -> CallOutcome:
         return await self._send(
@@ -81,27 +153,38 @@ class PSP(ExternalService):
                 "reference": payment.reference,
                 "description": f"payment {payment.id}",
             },
+            Charge,
         )
 
     async def find_charge(self, key: str) -> ProbeOutcome:
-        return await self._probe("/v1/charges", {"idempotency_key": key})
+        return await self._probe("/v1/charges", Charge, {"idempotency_key": key})
 
     async def refund(self, key: str, payment: Payment) -> CallOutcome:
         return await self._send(
             "/v1/refunds",
             key,
             {"charge_id": payment.psp_charge_id, "amount": payment.amount_minor, "reference": payment.reference},
+            Refund,
         )
 
     async def find_refund(self, key: str) -> ProbeOutcome:
-        return await self._probe("/v1/refunds", {"idempotency_key": key})
+        return await self._probe("/v1/refunds", Refund, {"idempotency_key": key})
 
 
 class Rail(ExternalService):
     """External system 2: pays the net amount out to the beneficiary's account."""
 
-    def __init__(self, *args: Any, legacy: bool = False, legacy_accounts: frozenset[str] = frozenset()) -> None:
-        super().__init__(*args)
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        base_url: str,
+        timeout: float,
+        transient_retries: int,
+        *,
+        legacy: bool = False,
+        legacy_accounts: frozenset[str] = frozenset(),
+    ) -> None:
+        super().__init__("rail", http, base_url, timeout, transient_retries)
         self._legacy = legacy
         self._legacy_accounts = legacy_accounts
 
@@ -110,9 +193,8 @@ class Rail(ExternalService):
         return not (self._legacy or payment.beneficiary_iban in self._legacy_accounts)
 
     async def transfer(self, key: str, payment: Payment) -> CallOutcome:
-        # A rail that cannot deduplicate gets exactly one try, even after a 429
-        # or a 503: we cannot be sure those were not applied, and a second
-        # POST there is a second payout.
+        # A rail that cannot deduplicate is sent a payout again only when the
+        # first POST was certainly not applied (see _send).
         return await self._send(
             "/v1/transfers",
             key,
@@ -124,28 +206,57 @@ class Rail(ExternalService):
                 "beneficiary_name": payment.beneficiary_name,
                 "reference": payment.reference,
             },
-            retries=None if self.deduplicates(payment) else 0,
+            Transfer,
+            repeatable=self.deduplicates(payment),
         )
 
     async def find_transfer(self, end_to_end_reference: str) -> ProbeOutcome:
         # The rail is probed by our end-to-end reference, which every payout
         # instruction carries precisely so that this lookup is possible.
-        return await self._probe(f"/v1/transfers/{end_to_end_reference}")
+        return await self._probe(f"/v1/transfers/{end_to_end_reference}", Transfer)
 
     async def statement(self, day: date) -> dict[str, Any] | Unknown:
         """The rail's statement of transfers booked on `day` (`final` once the day is closed)."""
         try:
             response = await self._http.get(f"{self._base}/v1/statements/{day.isoformat()}", timeout=self._timeout)
-        except httpx.HTTPError as exc:
-            return Unknown(f"statement {day}: {type(exc).__name__}")
+        except Exception as exc:  # noqa: BLE001
+            return Unknown(self._broken(exc))
         if response.status_code != 200:
-            return Unknown(f"statement {day}: HTTP {response.status_code}")
-        return response.json()
+            return Unknown(f"rail: statement answered HTTP {response.status_code}")
+        try:
+            return Statement.model_validate_json(response.content).model_dump()
+        except ValidationError:
+            return Unknown("rail: malformed statement")
+
+
+def _is_documented_not_found(response: httpx.Response) -> bool:
+    """The fakes' documented "no such record": a problem+json of type .../not-found.
+
+    A bare 404 (a proxy's page, a mistyped URL) says nothing about our record.
+    """
+    if response.headers.get("content-type", "").split(";")[0].strip() != "application/problem+json":
+        return False
+    try:
+        problem = response.json()
+    except ValueError:
+        return False
+    return isinstance(problem, dict) and str(problem.get("type", "")).endswith("/not-found")
+
+
+def _status_field(response: httpx.Response) -> str | None:
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    status = body.get("status") if isinstance(body, dict) else None
+    return status if isinstance(status, str) else None
 
 
 def _retry_after(response: httpx.Response) -> float:
     try:
         seconds = float(response.headers.get("Retry-After", "0.2"))
     except ValueError:
+        seconds = 0.2
+    if not math.isfinite(seconds):
         seconds = 0.2
     return min(max(seconds, 0.05), _MAX_INLINE_WAIT)

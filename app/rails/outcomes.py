@@ -1,25 +1,46 @@
-"""The three things an external call or probe can tell us.
+"""The three things an external call can tell us, and the probe's answers.
 
-Every HTTP exchange with the PSP or the rail is reduced to one of these, so
-the runner never interprets status codes or exceptions itself:
+Every HTTP exchange with the PSP or the rail is reduced to one of these by
+`app.rails.client`, so the runner never interprets status codes, exceptions
+or response bodies itself:
 
-    Applied   the external system has a record for our key: here it is. A
-              decline or a rejection is an Applied record too; it is a result.
-    NotFound  (probes only) the external system has no record for our key.
-    Unknown   we cannot tell whether the call took effect: a timeout, a lost
-              response, a 5xx, or transient refusals that outlasted our retries.
-              Unknown is never a failure; it is an absence of information.
+    Applied     the external system holds a record for our key, with a status
+                it documents as final (app/rails/answers.py). A decline or a
+                rejection is an Applied record too: it is a result.
+    NotApplied  nothing was done, for certain: the connection was refused
+                before a byte of the request was sent, or the system answered
+                with a refusal it documents as storing nothing (a 429, say).
+                Safe to send again later, even to a rail that cannot
+                deduplicate. Never a result: the payment is not over.
+    NotFound    (probes only) the external system has no record for our key.
+    Unknown     we cannot tell whether the call took effect: a timeout, a lost
+                or garbled response, a 5xx, an answer whose status is missing
+                or not on the documented list. Unknown is never a failure, a
+                decline or a reason to refund; it is an absence of information.
+
+Only Applied may finish a phase. The `reason` of the other two is a short
+classified phrase ("psp: timed out"), stored on the key row and shown to the
+client: never an exception's text, a URL or a response body.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
+
+from app.rails.answers import Answer
+
+A = TypeVar("A", bound=Answer)
 
 
 @dataclass(frozen=True)
-class Applied:
-    record: dict[str, Any]
+class Applied(Generic[A]):
+    record: A
+
+
+@dataclass(frozen=True)
+class NotApplied:
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -32,5 +53,5 @@ class Unknown:
     reason: str
 
 
-CallOutcome = Applied | Unknown
+CallOutcome = Applied | NotApplied | Unknown
 ProbeOutcome = Applied | NotFound | Unknown

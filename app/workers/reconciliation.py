@@ -46,6 +46,7 @@ from app.payments import crash_points, phases
 from app.payments import store as payments
 from app.payments.models import Payment
 from app.payments.runner import drive
+from app.rails.answers import Transfer
 from app.rails.outcomes import Unknown
 from app.services import Services
 from app.workers import pause, ticks
@@ -131,9 +132,9 @@ async def _reconcile(services: Services, run: RunLease) -> dict[str, Any]:
             counts["left_for_a_person"] += 1
             continue
         if entries:
-            outcome = {"id": entries[0]["transfer_id"], "status": "accepted", "settled_by": "statement"}
+            outcome = Transfer(id=entries[0]["transfer_id"], status="accepted")
         elif all(statements[d]["final"] for d in _booking_days(payment, horizon)):
-            outcome = {"id": None, "status": "rejected", "reject_reason": "not_on_statement"}
+            outcome = Transfer(id=None, status="rejected", reject_reason="not_on_statement")
         else:
             counts["not_yet_decidable"] += 1
             continue

@@ -23,7 +23,7 @@ from app.db.transaction import atomic, read
 from app.idempotency import store as keys
 from app.idempotency.store import LeaseLost
 from app.payments import phases
-from app.payments.runner import Finished, drive
+from app.payments.runner import Finished, drive, heal
 from app.services import Services
 from app.workers import pause
 
@@ -38,6 +38,7 @@ class SweepCounts:
     pending: int = 0  # outcome still unknown: released with backoff, or parked
     skipped: int = 0  # someone else owned it by the time we tried
     errors: int = 0  # interrupted by a bug or a lost database; still resumable
+    healed: int = 0  # parked, and driven on because a re-probe answered
 
     @property
     def found(self) -> int:
@@ -74,7 +75,35 @@ async def sweep_once(services: Services) -> SweepCounts:
             return await recover(services, client_id, key)
 
     results = await asyncio.gather(*(one(client_id, key) for client_id, key in stranded))
-    return SweepCounts(**{name: results.count(name) for name in ("finished", "pending", "skipped", "errors")})
+    healed = await recheck_parked(services)
+    return SweepCounts(
+        **{name: results.count(name) for name in ("finished", "pending", "skipped", "errors")}, healed=healed
+    )
+
+
+async def recheck_parked(services: Services) -> int:
+    """Re-probe the parked operations that are due; how many were driven on.
+
+    Each is claimed for this round by one statement (so several workers do
+    not all ask), probed, and taken back only if the probe answered
+    (`runner.heal`). Most rounds in an outage learn nothing and write nothing
+    but the time of the next round.
+    """
+    settings = services.settings
+    due = await read(services.engine, keys.parked_due, limit=settings.worker_concurrency * 4)
+    gate = asyncio.Semaphore(settings.worker_concurrency)
+
+    async def one(client_id: int, key: str) -> bool:
+        async with gate:
+            try:
+                return await heal(services, client_id, key) is not None
+            except LeaseLost:
+                return False
+            except Exception:
+                log.exception("re-probing parked %r failed; it stays parked", key)
+                return False
+
+    return sum(await asyncio.gather(*(one(client_id, key) for client_id, key in due)))
 
 
 async def recovery_loop(services: Services, stop: asyncio.Event) -> None:
@@ -92,7 +121,7 @@ async def recovery_loop(services: Services, stop: asyncio.Event) -> None:
             return
         stopping.cancel()
         counts = sweep.result()
-        if counts.found:
+        if counts.found or counts.healed:
             log.info("sweep: %s", counts)
         if counts.found < settings.worker_concurrency * 4:
             # Nothing more is waiting: rest until the next poll, or stop.

@@ -20,6 +20,7 @@ from app.idempotency.store import Lease, LeaseLost
 from app.payments import phases
 from app.payments.models import PaymentRequest
 from app.problems import DUPLICATE_PAYMENT, ProblemError
+from app.rails.answers import Charge, Refund, Transfer
 from tests.support import payment_body
 
 
@@ -50,11 +51,11 @@ async def new_operation(engine, acme, key: str) -> phases.Operation:
 @pytest.mark.parametrize(
     "phase, outcome",
     [
-        (phases.record_charge, {"id": "ch_1", "status": "succeeded"}),
-        (phases.record_charge, {"id": "ch_1", "status": "declined", "decline_code": "card_declined"}),
-        (phases.record_transfer, {"id": "tr_1", "status": "accepted"}),
-        (phases.record_transfer, {"id": "tr_1", "status": "rejected", "reject_reason": "account_closed"}),
-        (phases.record_refund, {"id": "re_1", "status": "succeeded"}),
+        (phases.record_charge, Charge(id="ch_1", status="succeeded")),
+        (phases.record_charge, Charge(id="ch_1", status="declined", decline_code="card_declined")),
+        (phases.record_transfer, Transfer(id="tr_1", status="accepted")),
+        (phases.record_transfer, Transfer(id="tr_1", status="rejected", reject_reason="account_closed")),
+        (phases.record_refund, Refund(id="re_1", status="succeeded")),
     ],
 )
 async def test_a_phase_run_under_a_lease_that_was_taken_over_writes_nothing(engine, db, acme, phase, outcome):
@@ -73,7 +74,7 @@ async def test_the_owner_advances_and_its_posting_balances(engine, db, acme):
     key = str(uuid.uuid4())
     op = await new_operation(engine, acme, key)
 
-    op = await one_statement(engine, phases.record_charge, op, {"id": "ch_1", "status": "succeeded"}, 30)
+    op = await one_statement(engine, phases.record_charge, op, Charge(id="ch_1", status="succeeded"), 30)
 
     assert op.recovery_point == "EXT2_SENT" and op.payment.psp_charge_id == "ch_1"
     row = await db.fetchrow("SELECT recovery_point, lease_token FROM idempotency_key WHERE key = $1", key)

@@ -19,11 +19,23 @@ from tests.support import charges, headers, key_row, payment_body, transfers
 
 @pytest.fixture
 async def worker_services(database_url, stack):
-    settings = Settings(
-        database_url=database_url, psp_url=stack.psp.url, rail_url=stack.rail.url, worker_min_age_seconds=0
-    )
-    async with open_services(settings) as services:
+    async with _services(database_url, stack) as services:
         yield services
+
+
+@pytest.fixture
+async def one_attempt_worker(database_url, stack):
+    async with _services(database_url, stack, max_attempts=1) as services:
+        yield services
+
+
+def _services(database_url, stack, **settings):
+    return open_services(
+        Settings(
+            database_url=database_url, psp_url=stack.psp.url, rail_url=stack.rail.url, worker_min_age_seconds=0,
+            **settings,
+        )
+    )
 
 
 async def set_faults(http, service, *faults) -> None:
@@ -53,7 +65,7 @@ async def test_the_worker_waits_out_the_backoff_then_finishes_the_payment_once(
 
 
 async def test_an_outcome_that_stays_unknown_is_parked_as_indeterminate_never_failed(
-    http, stack, db, acme, processes, worker_services
+    http, stack, db, acme, processes, one_attempt_worker
 ):
     key, body = str(uuid.uuid4()), payment_body()
     api = processes.api("one-attempt", MAX_ATTEMPTS="1")
@@ -71,6 +83,11 @@ async def test_an_outcome_that_stays_unknown_is_parked_as_indeterminate_never_fa
     shown = await http.get(f"{stack.api}/v1/payments/{parked.json()['id']}", headers=acme.auth)
     assert shown.json()["status"] == "indeterminate"
     await db.execute("UPDATE idempotency_key SET next_attempt_at = now() - interval '1 hour'")
-    assert (await sweep_once(worker_services)).found == 0, "a parked operation is reconciliation's, not the worker's"
-    assert (await key_row(db, acme.id, key))["attempts"] == 1
+    swept = await sweep_once(one_attempt_worker)
+    assert swept.found == 0, "the recovery sweep never resumes a parked operation"
+    # Its re-probe, once due, asks the PSP: no charge with K1, so it is sent
+    # again with K1, refused again (the fault holds), and parked again.
+    assert swept.healed == 1
+    row = await key_row(db, acme.id, key)
+    assert row["parked_at"] is not None and row["attempts"] == 2 and row["lease_token"] is None
     assert await charges(db, body["reference"]) == []
