@@ -227,6 +227,15 @@ class Processes:
         self.started.append(process)
         return process.start()
 
+    def fake(self, kind: str, *args: str, port: int | None = None) -> Process:
+        """A fake PSP or rail of this test's own (`kind` "psp" or "rail"), e.g. to stop and restart it."""
+        port = port or free_port()
+        env = {**os.environ, "FAKE_RAILS_DATABASE_URL": self.database_url}
+        argv = [str(BIN / f"fake-{kind}"), "--port", str(port), *args]
+        process = Process(f"fake-{kind}", argv, env, port, self.logs / f"fake-{kind}-{port}.log")
+        self.started.append(process)
+        return process.start()
+
     def worker(self, name: str = "worker", **env: str) -> subprocess.Popen:
         """A recovery worker, once it is up.
 
