@@ -8,8 +8,10 @@ stopped (`LeaseLost`). Lease times use the database's clock, never a
 replica's, so clock skew between replicas cannot make two of them believe they
 own the same request.
 
-CLAIM_SQL, ADVANCE_SQL and FINISH_SQL are the first step (the "fence") of the
-single-statement phases in app/payments/sql.py. The functions here (load,
+CLAIM_SQL, ADVANCE_SQL and FINISH_SQL are the canonical text of the first
+step (the "fence") of the single-statement phases: app/payments/sql.py
+writes each statement out whole, and tests/unit/test_phase_sql.py checks
+that every copy of a fence there is this text, word for word. The functions here (load,
 take_over, release, park, unpark, stranded) take a connection from
 `app.db.transaction` (inside a transaction, or as a single statement) and
 never commit; `load_caller`, the read that starts every POST, runs on the
@@ -96,7 +98,7 @@ _EVENT_IN_PLACE = _event(recovery_point="recovery_point")  # the recovery point 
 _EVENT_NEW_ATTEMPT = _event(recovery_point="recovery_point", attempt="attempts + 1")  # a takeover
 
 # The claim, the advance and the finish below are also the first step (the
-# "fence") of the single-statement phases in app/payments/sql.py.
+# "fence") of the single-statement phases, written out in app/payments/sql.py.
 CLAIM_SQL = """
     INSERT INTO idempotency_key AS k
         (client_id, key, endpoint, request_hash, state, recovery_point, payment_id,

@@ -1,4 +1,4 @@
-"""The SQL of the hot-path phases: each phase is one statement.
+"""The SQL of the hot-path phases, each written out whole: what runs is what you read.
 
 A phase runs as a single statement with no BEGIN and no COMMIT around it:
 PostgreSQL runs a lone statement as a transaction of its own, which commits
@@ -19,6 +19,13 @@ sees no row come back and raises LeaseLost. The fence comes first in the chain,
 so the key row is locked before the payment row, the same order as in every
 other phase: two attempts can never deadlock each other.
 
+There are two fences: one that advances the recovery point to the next SENT
+point (ADVANCE_SQL in app/idempotency/store.py) and one that finishes the
+operation and stores its response (FINISH_SQL). They are written out inside
+each statement below so that a reader sees every statement whole;
+tests/unit/test_phase_sql.py proves each copy is, word for word, the fence
+it names, so the copies cannot drift apart.
+
 Why fold: one round trip per phase instead of five (BEGIN, key row, payment
 row, ledger, COMMIT), which is most of the difference between this service and
 its unsafe twin (docs/performance.md). The durable facts and the fencing are
@@ -29,19 +36,30 @@ from __future__ import annotations
 
 from sqlalchemy import text
 
-from app.idempotency.store import ADVANCE_SQL, CLAIM_SQL, FINISH_SQL
-
-# Handler1: claim the key and create the payment, in one statement.
+# phases.handler1: claim the key and create the payment -> EXT1_SENT.
 #
-# If the claim inserts a key row but the payment insert finds the reference
-# already taken, the key row would name a payment that does not exist. Its
-# foreign key to payment is DEFERRABLE INITIALLY DEFERRED, so PostgreSQL checks
-# it when the statement ends, refuses, and rolls the whole statement back,
-# claim included: a duplicate reference leaves no trace. (The caller turns
-# that refusal into 409 duplicate-payment.)
+# The claim is the fence of this phase: it inserts the key row, or, if the key
+# exists, nothing, and then nothing else happens either. If the claim inserts
+# a key row but the payment insert finds the reference already taken, the key
+# row would name a payment that does not exist. Its foreign key to payment is
+# DEFERRABLE INITIALLY DEFERRED, so PostgreSQL checks it when the statement
+# ends, refuses, and rolls the whole statement back, claim included: a
+# duplicate reference leaves no trace. (The caller turns that refusal into
+# 409 duplicate-payment.)
 HANDLER1 = text(
-    f"""
-    WITH claim AS ({CLAIM_SQL}
+    """
+    WITH claim AS (
+        INSERT INTO idempotency_key AS k
+            (client_id, key, endpoint, request_hash, state, recovery_point, payment_id,
+             lease_token, lease_expires_at, timeline)
+        VALUES (:client_id, :key, :endpoint, :request_hash, 'started', :recovery_point,
+                :payment_id, gen_random_uuid(),
+                now() + make_interval(secs => :lease_seconds),
+                jsonb_build_array(jsonb_build_object(
+                    'at', now(), 'event', 'claimed',
+                    'recovery_point', CAST(:recovery_point AS text), 'attempt', 1)))
+        ON CONFLICT (client_id, key) DO NOTHING
+        RETURNING lease_token
     ), created AS (
         INSERT INTO payment
             (id, client_id, reference, amount_minor, currency, fee_minor, net_minor,
@@ -56,62 +74,179 @@ HANDLER1 = text(
     """
 )
 
-# The ledger legs of one posting, for the payment the statement just updated.
-_POST = """
-    , posted AS (
+# phases.record_charge, the charge succeeded (Handler2): advance to EXT2_SENT,
+# record the charge and build the payout instruction, post charge_captured.
+CHARGE_CAPTURED = text(
+    """
+    WITH fence AS (
+        UPDATE idempotency_key
+           SET recovery_point = :recovery_point,
+               lease_expires_at = now() + make_interval(secs => :lease_seconds),
+               last_error = NULL,
+               updated_at = now(),
+               timeline = timeline || jsonb_build_object('at', now(), 'event', CAST(:event AS text),
+                                                         'recovery_point', CAST(:recovery_point AS text),
+                                                         'attempt', attempts)
+         WHERE client_id = :client_id AND key = :key
+           AND lease_token = :token AND state = 'started'
+        RETURNING payment_id
+    ), updated AS (
+        UPDATE payment
+           SET psp_charge_id = :charge_id, end_to_end_reference = :e2e, rail_transfer_key = :transfer_key,
+               payout_instructed_at = now(), updated_at = now()
+          FROM fence
+         WHERE payment.id = fence.payment_id
+        RETURNING payment.*
+    ), posted AS (
         INSERT INTO ledger_entry (payment_id, posting, account, debit_minor, credit_minor, currency)
         SELECT updated.id, CAST(:posting AS text), leg.account, leg.debit, leg.credit, updated.currency
           FROM updated,
                unnest(CAST(:accounts AS text[]), CAST(:debits AS bigint[]), CAST(:credits AS bigint[]))
                  AS leg(account, debit, credit)
     )
-"""
+    SELECT * FROM updated
+    """
+)
 
-
-def _phase(fence: str, payment_update: str, *, posts: bool) -> text:
-    return text(
-        f"""
-        WITH fence AS ({fence}
-        ), updated AS (
-            UPDATE payment SET {payment_update}, updated_at = now()
-              FROM fence
-             WHERE payment.id = fence.payment_id
-            RETURNING payment.*
-        ){_POST if posts else ""}
-        SELECT * FROM updated
-        """
+# phases.record_charge, the card was declined: finish, with the stored response.
+CHARGE_DECLINED = text(
+    """
+    WITH fence AS (
+        UPDATE idempotency_key
+           SET state = 'finished',
+               recovery_point = :recovery_point,
+               response_code = :response_code,
+               response_body = :response_body,
+               lease_token = NULL,
+               lease_expires_at = NULL,
+               last_error = NULL,
+               finished_at = now(),
+               updated_at = now(),
+               timeline = timeline || jsonb_build_object('at', now(), 'event', CAST(:event AS text),
+                                                         'recovery_point', CAST(:recovery_point AS text),
+                                                         'attempt', attempts)
+         WHERE client_id = :client_id AND key = :key
+           AND lease_token = :token AND state = 'started'
+        RETURNING payment_id
+    ), updated AS (
+        UPDATE payment
+           SET status = 'declined', psp_charge_id = :charge_id, decline_code = :decline_code, updated_at = now()
+          FROM fence
+         WHERE payment.id = fence.payment_id
+        RETURNING payment.*
     )
+    SELECT * FROM updated
+    """
+)
 
+# phases.record_transfer, the rail accepted (Handler3): finish, post payout_sent.
+PAYOUT_SENT = text(
+    """
+    WITH fence AS (
+        UPDATE idempotency_key
+           SET state = 'finished',
+               recovery_point = :recovery_point,
+               response_code = :response_code,
+               response_body = :response_body,
+               lease_token = NULL,
+               lease_expires_at = NULL,
+               last_error = NULL,
+               finished_at = now(),
+               updated_at = now(),
+               timeline = timeline || jsonb_build_object('at', now(), 'event', CAST(:event AS text),
+                                                         'recovery_point', CAST(:recovery_point AS text),
+                                                         'attempt', attempts)
+         WHERE client_id = :client_id AND key = :key
+           AND lease_token = :token AND state = 'started'
+        RETURNING payment_id
+    ), updated AS (
+        UPDATE payment
+           SET status = 'succeeded', rail_transfer_id = :transfer_id, updated_at = now()
+          FROM fence
+         WHERE payment.id = fence.payment_id
+        RETURNING payment.*
+    ), posted AS (
+        INSERT INTO ledger_entry (payment_id, posting, account, debit_minor, credit_minor, currency)
+        SELECT updated.id, CAST(:posting AS text), leg.account, leg.debit, leg.credit, updated.currency
+          FROM updated,
+               unnest(CAST(:accounts AS text[]), CAST(:debits AS bigint[]), CAST(:credits AS bigint[]))
+                 AS leg(account, debit, credit)
+    )
+    SELECT * FROM updated
+    """
+)
 
-# record_charge, charge succeeded: advance to EXT2_SENT, record the charge and
-# the payout instruction (Handler2), post charge_captured.
-CHARGE_CAPTURED = _phase(
-    ADVANCE_SQL,
-    "psp_charge_id = :charge_id, end_to_end_reference = :e2e, rail_transfer_key = :transfer_key, "
-    "payout_instructed_at = now()",
-    posts=True,
+# phases.record_transfer, the rail rejected: advance to EXT3_SENT with the
+# refund's derived key K3 (the compensation is intended, not yet made).
+PAYOUT_REJECTED = text(
+    """
+    WITH fence AS (
+        UPDATE idempotency_key
+           SET recovery_point = :recovery_point,
+               lease_expires_at = now() + make_interval(secs => :lease_seconds),
+               last_error = NULL,
+               updated_at = now(),
+               timeline = timeline || jsonb_build_object('at', now(), 'event', CAST(:event AS text),
+                                                         'recovery_point', CAST(:recovery_point AS text),
+                                                         'attempt', attempts)
+         WHERE client_id = :client_id AND key = :key
+           AND lease_token = :token AND state = 'started'
+        RETURNING payment_id
+    ), updated AS (
+        UPDATE payment
+           SET rail_transfer_id = :transfer_id, reject_reason = :reject_reason, psp_refund_key = :refund_key,
+               updated_at = now()
+          FROM fence
+         WHERE payment.id = fence.payment_id
+        RETURNING payment.*
+    )
+    SELECT * FROM updated
+    """
 )
-# record_charge, card declined: finish with the stored response.
-CHARGE_DECLINED = _phase(
-    FINISH_SQL,
-    "status = 'declined', psp_charge_id = :charge_id, decline_code = :decline_code",
-    posts=False,
+
+# phases.record_refund: finish as failed, post charge_refunded.
+CHARGE_REFUNDED = text(
+    """
+    WITH fence AS (
+        UPDATE idempotency_key
+           SET state = 'finished',
+               recovery_point = :recovery_point,
+               response_code = :response_code,
+               response_body = :response_body,
+               lease_token = NULL,
+               lease_expires_at = NULL,
+               last_error = NULL,
+               finished_at = now(),
+               updated_at = now(),
+               timeline = timeline || jsonb_build_object('at', now(), 'event', CAST(:event AS text),
+                                                         'recovery_point', CAST(:recovery_point AS text),
+                                                         'attempt', attempts)
+         WHERE client_id = :client_id AND key = :key
+           AND lease_token = :token AND state = 'started'
+        RETURNING payment_id
+    ), updated AS (
+        UPDATE payment
+           SET status = 'failed', psp_refund_id = :refund_id, updated_at = now()
+          FROM fence
+         WHERE payment.id = fence.payment_id
+        RETURNING payment.*
+    ), posted AS (
+        INSERT INTO ledger_entry (payment_id, posting, account, debit_minor, credit_minor, currency)
+        SELECT updated.id, CAST(:posting AS text), leg.account, leg.debit, leg.credit, updated.currency
+          FROM updated,
+               unnest(CAST(:accounts AS text[]), CAST(:debits AS bigint[]), CAST(:credits AS bigint[]))
+                 AS leg(account, debit, credit)
+    )
+    SELECT * FROM updated
+    """
 )
-# record_transfer, rail accepted (Handler3): finish, post payout_sent.
-PAYOUT_SENT = _phase(
-    FINISH_SQL,
-    "status = 'succeeded', rail_transfer_id = :transfer_id",
-    posts=True,
-)
-# record_transfer, rail rejected: advance to EXT3_SENT with the refund's key.
-PAYOUT_REJECTED = _phase(
-    ADVANCE_SQL,
-    "rail_transfer_id = :transfer_id, reject_reason = :reject_reason, psp_refund_key = :refund_key",
-    posts=False,
-)
-# record_refund: finish as failed, post charge_refunded.
-CHARGE_REFUNDED = _phase(
-    FINISH_SQL,
-    "status = 'failed', psp_refund_id = :refund_id",
-    posts=True,
-)
+
+# Which fence each statement must carry, word for word (tests/unit/test_phase_sql.py).
+FENCES = {
+    "HANDLER1": "CLAIM_SQL",
+    "CHARGE_CAPTURED": "ADVANCE_SQL",
+    "CHARGE_DECLINED": "FINISH_SQL",
+    "PAYOUT_SENT": "FINISH_SQL",
+    "PAYOUT_REJECTED": "ADVANCE_SQL",
+    "CHARGE_REFUNDED": "FINISH_SQL",
+}
