@@ -14,7 +14,15 @@ only once per payment, even if a bug upstream tried to run a phase twice.
 
 from __future__ import annotations
 
-from app.payments.models import Payment
+from typing import Protocol
+
+
+class Payment(Protocol):
+    """The amounts a posting needs: any object with these fields (the payment row) will do."""
+
+    amount_minor: int
+    net_minor: int
+    fee_minor: int
 
 
 def charge_captured(p: Payment) -> list[tuple[str, int, int]]:

@@ -3,10 +3,10 @@
 A phase returns what the caller needs after its commit (mostly the operation
 as it now stands). The phases on
 every payment's path (handler1, record_charge, record_transfer, record_refund)
-are each a single SQL statement (app/payments/sql.py), run by
-`app.db.transaction.one_statement`; the rarer ones (take_over, park,
-settle_parked) are a few statements in a transaction (`atomic`), and release
-is one fenced UPDATE. Every phase after handler1 (whose claim is its fence)
+are each a single SQL statement, written out whole in app/payments/sql.py,
+run by `app.db.transaction.one_statement`; the rarer ones (take_over, park,
+unpark, settle_parked) are a few statements in a transaction (`atomic`), and
+release is one fenced UPDATE. Every phase after handler1 (whose claim is its fence)
 first writes to the key row with its lease token, which proves this attempt
 still owns the operation and locks the row; if the lease was taken over,
 nothing the phase would have written is written, and `LeaseLost` is raised.
@@ -44,8 +44,6 @@ from app.payments.recovery_points import (
 )
 from app.problems import DUPLICATE_PAYMENT, ProblemError
 from app.rails.answers import Charge, Refund, Transfer
-from app.workers import ticks
-from app.workers.ticks import RunLease
 
 ENDPOINT = "POST /v1/payments"
 # Every final outcome, good or bad, is a payment resource that now exists, so
@@ -274,22 +272,16 @@ async def unpark(conn: AsyncConnection, client_id: int, key: str, lease_seconds:
 
 
 async def settle_parked(
-    conn: AsyncConnection,
-    run: RunLease,
-    client_id: int,
-    key: str,
-    transfer: Transfer,
-    *,
-    run_lease_seconds: float,
-    lease_seconds: float,
+    conn: AsyncConnection, client_id: int, key: str, transfer: Transfer, *, lease_seconds: float
 ) -> Operation | None:
     """Reconciliation settles a parked payout with what the rail's statement says.
 
     `transfer` is the outcome learned from the statement: accepted (booked),
     or rejected with reason `not_on_statement` (absent from final statements).
-    In one transaction: prove the reconciliation run still owns its window,
-    take the parked operation back, and record the outcome exactly as
-    `record_transfer` would have had the rail answered in time.
+    Take the parked operation back, and record the outcome exactly as
+    `record_transfer` would have had the rail answered in time. The caller
+    runs this in the same transaction as the proof that its reconciliation
+    run still owns its window (app/workers/reconciliation.py::_settle).
     Durable after commit: succeeded and finished (booked), or EXT3_SENT with
     the refund's key K3 (absent); the runner then refunds.
     Crash before commit: still parked; the next run settles it.
@@ -297,7 +289,6 @@ async def settle_parked(
     EXT3_SENT, unparked, where the recovery worker resumes the refund.
     None if the operation is no longer parked (settled by someone else).
     """
-    await ticks.renew(conn, run, run_lease_seconds)
     op = await unpark(conn, client_id, key, lease_seconds, event="settled by reconciliation")
     if op is None:
         return None

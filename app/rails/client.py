@@ -25,18 +25,37 @@ import asyncio
 import logging
 import math
 from datetime import date
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
+from uuid import UUID
 
 import httpx
 from pydantic import ValidationError
 
-from app.payments.models import Payment
 from app.rails.answers import Answer, Charge, Refund, Statement, Transfer
 from app.rails.outcomes import Applied, CallOutcome, NotApplied, NotFound, ProbeOutcome, Unknown
 
 log = logging.getLogger(__name__)
 
 A = TypeVar("A", bound=Answer)
+
+
+class Payment(Protocol):
+    """What the clients read of a payment: any object with these fields will do.
+
+    The runner passes its own payment rows; this layer does not import them,
+    so dependencies point one way (payments -> rails, never back).
+    """
+
+    id: UUID
+    amount_minor: int
+    net_minor: int
+    currency: str
+    card_token: str
+    reference: str
+    psp_charge_id: str | None
+    end_to_end_reference: str | None
+    beneficiary_iban: str
+    beneficiary_name: str
 
 # Refusals both fakes document as "nothing was recorded" (docs/fake-rails.md):
 # rate limited, an invalid request, a refund of an unknown charge, a refund

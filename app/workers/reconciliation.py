@@ -45,6 +45,7 @@ from app.idempotency.store import LeaseLost
 from app.payments import crash_points, phases
 from app.payments import store as payments
 from app.payments.models import Payment
+from app.payments.phases import Operation
 from app.payments.runner import drive
 from app.rails.answers import Transfer
 from app.rails.outcomes import Unknown
@@ -139,7 +140,7 @@ async def _reconcile(services: Services, run: RunLease) -> dict[str, Any]:
             counts["not_yet_decidable"] += 1
             continue
         op = await atomic(
-            services.engine, phases.settle_parked, run, payment.client_id, key, outcome,
+            services.engine, _settle, run, payment.client_id, key, outcome,
             run_lease_seconds=lease_seconds, lease_seconds=settings.lease_seconds,
         )
         if op is None:
@@ -191,6 +192,19 @@ def _break_for(ref: str, entries: list[dict[str, Any]], payment: Payment | None)
             {"entry": entry, "expected": {"amount": payment.net_minor, "currency": payment.currency}},
         )
     return None
+
+
+async def _settle(
+    conn: AsyncConnection, run: RunLease, client_id: int, key: str, outcome: Transfer,
+    *, run_lease_seconds: float, lease_seconds: float,
+) -> Operation | None:
+    """One payment settled, in one transaction with the proof that this run still owns its window.
+
+    A run that stalled past its lease and lost the window to another raises
+    LeaseLost at `ticks.renew` and changes nothing.
+    """
+    await ticks.renew(conn, run, run_lease_seconds)
+    return await phases.settle_parked(conn, client_id, key, outcome, lease_seconds=lease_seconds)
 
 
 async def _record_breaks(conn: AsyncConnection, run: RunLease, breaks: list[Break], lease_seconds: float) -> None:
