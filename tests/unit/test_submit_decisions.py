@@ -69,7 +69,7 @@ async def test_a_new_key_is_claimed_then_driven_to_its_final_response(db):
     ids=["expired", "finished", "parked"],
 )
 async def test_a_key_first_used_for_a_different_body_is_refused_422_before_anything_else(db, stored):
-    """Bug caught: the fingerprint checked after the replay (another body gets this one's response) or after takeover."""
+    """Bug caught: `row.request_hash != request_hash` dropped from the 422 check, so another body is taken over, 409'd or 202'd."""
     row = db.seed(request_hash=b"another request's fingerprint", **stored)
     psp, rail = FakeSystem("psp"), FakeSystem("rail")
 
