@@ -38,7 +38,9 @@ from app.payments import runner, service
 from app.payments import store as payments
 from app.payments.models import Payment, PaymentRequest, PaymentView, fee_for
 from app.payments.phases import Operation
-from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED, STEP_CHARGE, STEP_REFUND, STEP_TRANSFER
+from app.payments.recovery_points import (
+    EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED, STEP_CHARGE, STEP_REFUND, STEP_TRANSFER,
+)
 
 CLIENT = 1
 KEY = "key-1"
@@ -108,11 +110,10 @@ class FakeSystem:
     the lease over while this one waits on the network) that returns either.
     """
 
-    def __init__(self, name: str, *, deduplicates: bool = True, **scripts: list[Any]) -> None:
+    def __init__(self, name: str, **scripts: list[Any]) -> None:
         self.name = name
         self.scripts = {method: list(outcomes) for method, outcomes in scripts.items()}
         self.calls: list[Call] = []
-        self._deduplicates = deduplicates
 
     @property
     def names(self) -> list[str]:
@@ -149,8 +150,9 @@ class FakeSystem:
         return await self._answer("find_transfer", end_to_end_reference)
 
     def deduplicates(self, payment: Payment) -> bool:
-        # Synchronous, like app.rails.client.Rail.deduplicates: configuration, not a call.
-        return self._deduplicates and payment.beneficiary_iban != LEGACY_IBAN
+        # Synchronous, like app.rails.client.Rail.deduplicates: configuration
+        # (RAIL_LEGACY_ACCOUNTS), not a call. Payouts to LEGACY_IBAN are legacy.
+        return payment.beneficiary_iban != LEGACY_IBAN
 
 
 @dataclass
@@ -262,12 +264,15 @@ class FakeDB:
         )
         return self.row()
 
-    def owned(self, recovery_point: str = EXT1_SENT, *, resumed: bool, attempt: int = 1, iban: str = REQUEST.beneficiary.iban) -> Operation:
+    def owned(
+        self, recovery_point: str = EXT1_SENT, *, resumed: bool, attempt: int = 1, iban: str = REQUEST.beneficiary.iban
+    ) -> Operation:
         """A started key whose live lease this attempt holds: the operation `drive` is handed."""
         self.seed(recovery_point, lease_live=True, attempts=attempt, iban=iban)
         k = self.keys[(CLIENT, KEY)]
         assert k.token is not None
-        return Operation(Lease(CLIENT, KEY, k.token), recovery_point, self.payments[k.payment_id], resumed=resumed, attempt=attempt)
+        payment = self.payments[k.payment_id]
+        return Operation(Lease(CLIENT, KEY, k.token), recovery_point, payment, resumed=resumed, attempt=attempt)
 
     def steal(self) -> None:
         """Another attempt takes the lease over (ours expired while we waited on the network)."""
@@ -296,7 +301,9 @@ class FakeDB:
         payment = self.payments.get(payment_id)
         return payment if payment is not None and payment.client_id == client_id else None
 
-    def _handler1(self, *, client_id: int, key: str, request_hash: bytes, request: PaymentRequest, lease_seconds: float) -> Operation | None:
+    def _handler1(
+        self, *, client_id: int, key: str, request_hash: bytes, request: PaymentRequest, lease_seconds: float
+    ) -> Operation | None:
         # INSERT ... ON CONFLICT DO NOTHING: an existing key, whoever wrote it, means no row.
         if (client_id, key) in self.keys:
             return None
@@ -400,7 +407,9 @@ def install(monkeypatch: Any) -> FakeDB:
     return db
 
 
-def _payment(*, iban: str = REQUEST.beneficiary.iban, status: str = "processing", recovery_point: str = EXT1_SENT) -> Payment:
+def _payment(
+    *, iban: str = REQUEST.beneficiary.iban, status: str = "processing", recovery_point: str = EXT1_SENT
+) -> Payment:
     """A payment row as it stands at `recovery_point`: the derived keys it has by then."""
     past_charge = recovery_point in (EXT2_SENT, EXT3_SENT, FINISHED)
     return Payment(
