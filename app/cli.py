@@ -35,6 +35,26 @@ def _database_url() -> str:
     return url
 
 
+def _settings():
+    """The settings from the environment, or a clear refusal to start (exit 2).
+
+    A bad setting is named with pydantic's message but without the value it
+    was given (a DATABASE_URL holds a password), and without a traceback.
+    """
+    from pydantic import ValidationError
+
+    from app.config import Settings
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        for error in exc.errors(include_input=False, include_url=False):
+            name = "_".join(str(part) for part in error["loc"]).upper()
+            message = error["msg"].removeprefix("Value error, ")
+            console.print(f"invalid setting {name}: {message}", style="red", soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(2) from None
+
+
 def migrate_database(url: str) -> None:
     """Bring the schema to the newest Alembic revision."""
     from alembic import command
@@ -77,6 +97,7 @@ def _serve(factory: str, host: str, port: int, workers: int) -> None:
     import uvicorn
 
     _database_url()
+    _settings()  # refuse to start here, with a clear message, not in each worker
     # Each worker process calls the factory, so each builds its own engine
     # and HTTP client after the fork: nothing pooled is shared across processes.
     uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False)
@@ -87,12 +108,12 @@ def worker() -> None:
     """Run the background worker: crash recovery, and reconciliation once per day."""
     import logging
 
-    from app.config import Settings
     from app.workers import process
 
     _database_url()
+    settings = _settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    process.main(Settings())
+    process.main(settings)
 
 
 @cli.command()

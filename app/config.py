@@ -9,6 +9,8 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.iban import normalise_all
+
 
 def asyncpg_url(url: str) -> str:
     """SQLAlchemy's spelling of a PostgreSQL URL that uses the asyncpg driver."""
@@ -37,8 +39,8 @@ class Settings(BaseSettings):
     # rail neither deduplicates by Idempotency-Key nor answers status probes,
     # so a transfer to it is sent once and never blindly retried: a timeout or
     # a lost response parks the payment for reconciliation. RAIL_LEGACY makes
-    # the whole rail legacy; RAIL_LEGACY_ACCOUNTS (comma-separated IBANs) only
-    # the payouts to those accounts.
+    # the whole rail legacy; RAIL_LEGACY_ACCOUNTS (comma-separated IBANs, in
+    # electronic or print form) only the payouts to those accounts.
     rail_legacy: bool = False
     rail_legacy_accounts: str = ""
 
@@ -86,7 +88,18 @@ class Settings(BaseSettings):
 
     @property
     def legacy_accounts(self) -> frozenset[str]:
-        return frozenset(a.strip() for a in self.rail_legacy_accounts.split(",") if a.strip())
+        """The legacy accounts' IBANs, normalised (app/iban.py) like every beneficiary's."""
+        return frozenset(a for a in self.rail_legacy_accounts.split(",") if a)
+
+    @field_validator("rail_legacy_accounts")
+    @classmethod
+    def _legacy_ibans(cls, value: str) -> str:
+        # Normalised, so "gb82 west 1234 ..." matches the normalised beneficiary
+        # IBAN of a payment (an exact comparison would miss it, and a legacy
+        # payout would be retried as if the rail deduplicated: a second payout).
+        # An entry that is not an IBAN refuses start-up rather than being
+        # silently never matched.
+        return ",".join(sorted(normalise_all(value)))
 
     @field_validator("payments_crash_at")
     @classmethod

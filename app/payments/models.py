@@ -6,13 +6,14 @@ the same `PaymentRequest` are the same payment.
 
 from __future__ import annotations
 
-import re
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+from app.iban import normalise as normalise_iban
 
 # ISO 4217 codes we settle, with their minor-unit exponent (for people reading
 # amounts; the service itself only ever handles integer minor units).
@@ -30,33 +31,28 @@ Reference = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,64}$"
 CardToken = Annotated[str, StringConstraints(pattern=r"^tok_[A-Za-z0-9_]{1,64}$")]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=140, pattern=r"^[^\x00-\x1f\x7f]+$")]
 
-_IBAN = re.compile(r"^[A-Z]{2}[0-9]{2}[A-Z0-9]{11,30}$")
-
 
 def fee_for(amount_minor: int) -> int:
     return -(-amount_minor * FEE_BASIS_POINTS // 10_000) + FEE_FIXED_MINOR
-
-
-def iban_is_valid(iban: str) -> bool:
-    """ISO 13616: the shape, then the mod-97 check digits."""
-    if not _IBAN.fullmatch(iban):
-        return False
-    rearranged = iban[4:] + iban[:4]
-    return int("".join(str(int(ch, 36)) for ch in rearranged)) % 97 == 1
 
 
 class Beneficiary(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Name = Field(description="Account holder's name, as the rail will show it.")
-    iban: str = Field(description="IBAN without spaces.", examples=["DE89370400440532013000"])
+    iban: str = Field(
+        description="The account's IBAN, electronic (`DE89370400440532013000`) or print form "
+        "(`DE89 3704 0044 0532 0130 00`, any case). Stored, fingerprinted and returned in "
+        "electronic form.",
+        examples=["DE89370400440532013000"],
+    )
 
     @field_validator("iban")
     @classmethod
     def _iban(cls, value: str) -> str:
-        if not iban_is_valid(value):
-            raise ValueError("not a valid IBAN (uppercase, no spaces, correct check digits)")
-        return value
+        # Normalised here, before the fingerprint is taken: the same account
+        # written with spaces is the same payment, not a 422 on a retry.
+        return normalise_iban(value)
 
 
 class PaymentRequest(BaseModel):

@@ -153,6 +153,23 @@ async def test_the_quoted_structured_field_form_is_the_same_key_as_the_bare_form
     assert len(await charges(db, body["reference"])) == 1
 
 
+async def test_a_retry_with_the_iban_in_print_form_is_a_replay_and_the_rail_gets_the_electronic_form(
+    http, stack, db, acme
+):
+    key, body = str(uuid.uuid4()), payment_body()
+    printed = body | {"beneficiary": {"name": "Ada Lovelace", "iban": "de89 3704 0044 0532 0130 00"}}
+    first = await post(http, stack, acme, key, printed)
+    again = await post(http, stack, acme, key, body)
+
+    assert first.status_code == 201, first.text
+    assert again.headers["Idempotent-Replayed"] == "true" and again.content == first.content
+    assert first.json()["beneficiary"]["iban"] == "DE89370400440532013000"
+    [payment] = await payments_for(db, body["reference"])
+    assert payment["beneficiary_iban"] == "DE89370400440532013000"
+    [transfer] = await transfers(db, body["reference"])
+    assert transfer["beneficiary_iban"] == "DE89370400440532013000"
+
+
 @pytest.mark.parametrize(
     "authorization", [None, "Bearer", "Bearer sk_test_not-a-real-key", "Basic dXNlcjpwYXNz", "Bearer " + "x" * 500]
 )
@@ -279,6 +296,8 @@ async def test_a_rail_rejection_is_compensated_by_exactly_one_refund(http, stack
         json.dumps(payment_body(amount=10)).encode(),
         json.dumps(payment_body(currency="XXX")).encode(),
         json.dumps(payment_body(beneficiary={"name": "A", "iban": "DE00370400440532013000"})).encode(),
+        json.dumps(payment_body(beneficiary={"name": "A", "iban": "XX46370400440532013000"})).encode(),
+        json.dumps(payment_body(beneficiary={"name": "A", "iban": "DE66370400440532013000123456789012"})).encode(),
         json.dumps(payment_body(card_token="4111111111111111")).encode(),
         json.dumps(payment_body(reference="x" * 65)).encode(),
         json.dumps(payment_body(unexpected=True)).encode(),

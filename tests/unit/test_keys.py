@@ -7,7 +7,7 @@ import pytest
 from app.idempotency.keys import (
     InvalidIdempotencyKey, derived_key, end_to_end_reference, parse_idempotency_key, request_fingerprint,
 )
-from app.payments.models import PaymentRequest, fee_for, iban_is_valid
+from app.payments.models import PaymentRequest, fee_for
 
 
 @pytest.mark.parametrize(
@@ -57,13 +57,6 @@ def test_the_fee_is_integer_and_rounds_up():
     assert fee_for(1250) == 18 + 25  # 1.4% of 1250 is 17.5, rounded up to 18
     assert fee_for(10_000) == 140 + 25
     assert isinstance(fee_for(999), int)
-
-
-def test_iban_check_digits_are_verified():
-    assert iban_is_valid("DE89370400440532013000")
-    assert iban_is_valid("GB82WEST12345698765432")
-    assert not iban_is_valid("DE88370400440532013000")
-    assert not iban_is_valid("de89370400440532013000")
 
 
 def test_two_bodies_that_validate_to_the_same_payment_have_the_same_fingerprint():
