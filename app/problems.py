@@ -70,6 +70,11 @@ IDEMPOTENCY_KEY_REUSED = _t(
     "This key was first used with a different method, path or body. A key identifies one "
     "payment; generate a new key for a new payment. Nothing was done.",
 )
+PAYLOAD_TOO_LARGE = _t(
+    "payload-too-large", 413, "The request body is too large",
+    "A request body may be at most 16 KiB (a payment is well under 4 KiB). The request was "
+    "refused before it was read or authenticated. Nothing was stored.",
+)
 METHOD_NOT_ALLOWED = _t(
     "method-not-allowed", 405, "Method not allowed", "This path does not accept this HTTP method."
 )
@@ -83,7 +88,7 @@ CATALOGUE: dict[str, ProblemType] = {
     t.slug: t
     for t in (
         IDEMPOTENCY_KEY_MISSING, IDEMPOTENCY_KEY_INVALID, INVALID_REQUEST, UNAUTHENTICATED,
-        NOT_FOUND, METHOD_NOT_ALLOWED, REQUEST_IN_PROGRESS, DUPLICATE_PAYMENT,
+        NOT_FOUND, METHOD_NOT_ALLOWED, PAYLOAD_TOO_LARGE, REQUEST_IN_PROGRESS, DUPLICATE_PAYMENT,
         IDEMPOTENCY_KEY_REUSED, INTERNAL_ERROR,
     )
 }

@@ -37,6 +37,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from app.api.body_limit import MAX_BODY_BYTES
 from app.api.deps import bearer_api_key, hand_over, look_up
 from app.api.routes import final_response
 from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
@@ -51,9 +52,10 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PATH = "/v1/payments"
-# A payment request is a few hundred bytes. A bigger body (or one of unknown
-# length) goes to the full path, so the shortcut never buffers much.
-MAX_BODY_BYTES = 16 * 1024
+# A payment request is a few hundred bytes. A body of unknown length goes to
+# the full path, so the shortcut never buffers much; one over MAX_BODY_BYTES
+# (the body cap, the same constant) never gets here (app/api/body_limit.py),
+# and the shortcut checks it again rather than rely on its position.
 
 
 class ReplayShortcut:
