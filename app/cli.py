@@ -93,6 +93,16 @@ def api(
     _serve("app.main:create_app", host, port, workers)
 
 
+# Server-level bounds on what a client can make a process hold (README.md#bounds-on-input):
+# idle kept-alive connections are closed after TIMEOUT_KEEP_ALIVE seconds; past
+# LIMIT_CONCURRENCY open connections (or requests in progress) a process answers
+# 503 instead of taking more. The request head is bounded in size and time by
+# app/api/http_protocol.py (httptools itself bounds neither), the body by
+# app/api/body_limit.py.
+TIMEOUT_KEEP_ALIVE = 5
+LIMIT_CONCURRENCY = 1000
+
+
 def _serve(factory: str, host: str, port: int, workers: int) -> None:
     import uvicorn
 
@@ -100,7 +110,13 @@ def _serve(factory: str, host: str, port: int, workers: int) -> None:
     _settings()  # refuse to start here, with a clear message, not in each worker
     # Each worker process calls the factory, so each builds its own engine
     # and HTTP client after the fork: nothing pooled is shared across processes.
-    uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False)
+    uvicorn.run(
+        factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False,
+        # An import string, so each worker process imports it itself.
+        http="app.api.http_protocol:BoundedHttpToolsProtocol",
+        timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
+        limit_concurrency=LIMIT_CONCURRENCY,
+    )
 
 
 @cli.command()

@@ -75,6 +75,16 @@ PAYLOAD_TOO_LARGE = _t(
     "A request body may be at most 16 KiB (a payment is well under 4 KiB). The request was "
     "refused before it was read or authenticated. Nothing was stored.",
 )
+REQUEST_HEADER_TOO_LARGE = _t(
+    "request-header-too-large", 431, "Request Header Fields Too Large",
+    "The request line and headers together may be at most 16 KiB. The request was refused "
+    "before it reached the application and the connection closed. Nothing was stored.",
+)
+REQUEST_TIMEOUT = _t(
+    "request-timeout", 408, "Request Timeout",
+    "The request's headers did not arrive within 10 seconds. The connection was closed and "
+    "nothing was stored; send the request again, all at once.",
+)
 METHOD_NOT_ALLOWED = _t(
     "method-not-allowed", 405, "Method not allowed", "This path does not accept this HTTP method."
 )
@@ -88,7 +98,8 @@ CATALOGUE: dict[str, ProblemType] = {
     t.slug: t
     for t in (
         IDEMPOTENCY_KEY_MISSING, IDEMPOTENCY_KEY_INVALID, INVALID_REQUEST, UNAUTHENTICATED,
-        NOT_FOUND, METHOD_NOT_ALLOWED, PAYLOAD_TOO_LARGE, REQUEST_IN_PROGRESS, DUPLICATE_PAYMENT,
+        NOT_FOUND, METHOD_NOT_ALLOWED, REQUEST_TIMEOUT, PAYLOAD_TOO_LARGE, REQUEST_HEADER_TOO_LARGE,
+        REQUEST_IN_PROGRESS, DUPLICATE_PAYMENT,
         IDEMPOTENCY_KEY_REUSED, INTERNAL_ERROR,
     )
 }

@@ -15,6 +15,7 @@ import uuid
 import httpx
 import pytest
 
+from app.api.http_protocol import HEAD_TIMEOUT_SECONDS
 from app.idempotency.keys import derived_key, end_to_end_reference
 from tests.support import (
     charges, claimed, headers, key_row, ledger, payment_body, payments_for, refunds, transfers, unbalanced_payments,
@@ -362,6 +363,48 @@ async def test_a_chunked_body_that_grows_past_the_cap_is_refused_413_and_stores_
     )
     assert fine.status_code == 201, fine.text
     assert len(await charges(db, body["reference"])) == 1
+
+
+async def _raw_exchange(api: str, request: bytes, wait: float) -> bytes:
+    """Send raw bytes to the API and read until it closes; b"" for a reset. Fails after `wait` seconds."""
+    host, port = api.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), wait)
+    except ConnectionError:
+        return b""  # closed on us while we were still sending: refused, not hung
+    finally:
+        writer.close()
+
+
+async def test_a_100_kb_header_is_refused_431_not_read_into_memory(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), json.dumps(payment_body()).encode()
+    request = (
+        f"POST /v1/payments HTTP/1.1\r\nHost: api\r\nAuthorization: Bearer {acme.api_key}\r\n"
+        f"Idempotency-Key: {key}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    ).encode() + b"X-Padding: " + b"a" * 100_000 + b"\r\n\r\n" + body
+
+    # httptools alone would parse the header, however long, and serve the request.
+    answer = await _raw_exchange(stack.api, request, wait=15)
+
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    if answer:
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["type"] == "/problems/request-header-too-large"
+    assert await key_row(db, acme.id, key) is None
+    assert await db.fetchval("SELECT count(*) FROM fake_psp.charge") == 0
+
+
+async def test_a_client_that_sends_its_headers_too_slowly_is_answered_408_and_cut_off(stack):
+    # Half a request line and a header, then nothing: without a deadline the
+    # connection would be held open for as long as the client liked.
+    started = time.monotonic()
+    answer = await _raw_exchange(stack.api, b"POST /v1/payments HTTP/1.1\r\nHost: api\r\n", wait=HEAD_TIMEOUT_SECONDS + 10)
+
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["type"] == "/problems/request-timeout"
+    assert HEAD_TIMEOUT_SECONDS - 1 < time.monotonic() - started < HEAD_TIMEOUT_SECONDS + 10
 
 
 async def test_a_lost_rail_response_is_recovered_by_the_inline_probe_without_a_second_transfer(http, stack, db, acme):
