@@ -41,7 +41,8 @@ IDEMPOTENCY_KEY_INVALID = _t(
 INVALID_REQUEST = _t(
     "invalid-request", 400, "The request body is invalid",
     "The body is not valid JSON or does not match the schema; `errors` lists each problem "
-    "with its location. Nothing was stored and the key was not used.",
+    "with its location (the first 20; `errors_omitted` counts any more). Nothing was stored "
+    "and the key was not used.",
 )
 UNAUTHENTICATED = _t(
     "unauthenticated", 401, "Missing or unknown API key",

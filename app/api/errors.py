@@ -24,6 +24,13 @@ from app.problems import (
 log = logging.getLogger(__name__)
 PROBLEM_JSON = "application/problem+json"
 
+# A body with thousands of unknown fields has thousands of errors; listing
+# them all would make the answer many times bigger than the request (the
+# 1,500 unknown fields that fit in a 16 KiB body make some 150 KB of JSON).
+# The first few say what is wrong; `errors_omitted` says how many more there
+# were.
+MAX_LISTED_ERRORS = 20
+
 
 def problem_response(
     problem: ProblemType,
@@ -45,6 +52,24 @@ def problem_response(
     )
 
 
+def validation_problem(exc: RequestValidationError, instance: str) -> Response:
+    """400 invalid-request listing at most MAX_LISTED_ERRORS of the body's errors."""
+    found = exc.errors()
+    errors = [
+        {"location": list(e.get("loc", ())), "message": e.get("msg", ""), "type": e.get("type", "")}
+        for e in found[:MAX_LISTED_ERRORS]
+    ]
+    extensions: dict[str, Any] = {"errors": errors}
+    if len(found) > MAX_LISTED_ERRORS:
+        extensions["errors_omitted"] = len(found) - MAX_LISTED_ERRORS
+    return problem_response(
+        INVALID_REQUEST,
+        "; ".join(f"{'.'.join(map(str, e['location']))}: {e['message']}" for e in errors)[:1000],
+        instance=instance,
+        **extensions,
+    )
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ProblemError)
     async def _problem(request: Request, exc: ProblemError) -> Response:
@@ -54,16 +79,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
-        errors = [
-            {"location": list(e.get("loc", ())), "message": e.get("msg", ""), "type": e.get("type", "")}
-            for e in exc.errors()
-        ]
-        return problem_response(
-            INVALID_REQUEST,
-            "; ".join(f"{'.'.join(map(str, e['location']))}: {e['message']}" for e in errors)[:1000],
-            instance=request.url.path,
-            errors=errors,
-        )
+        return validation_problem(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:

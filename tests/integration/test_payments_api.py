@@ -15,6 +15,7 @@ import uuid
 import httpx
 import pytest
 
+from app.api.body_limit import MAX_BODY_BYTES
 from app.api.http_protocol import HEAD_TIMEOUT_SECONDS
 from app.idempotency.keys import derived_key, end_to_end_reference
 from tests.support import (
@@ -363,6 +364,24 @@ async def test_a_chunked_body_that_grows_past_the_cap_is_refused_413_and_stores_
     )
     assert fine.status_code == 201, fine.text
     assert len(await charges(db, body["reference"])) == 1
+
+
+async def test_a_body_with_1500_unknown_fields_is_a_small_400_listing_20_of_them(http, stack, db, acme):
+    key = str(uuid.uuid4())
+    body = payment_body() | {f"f{i}": 0 for i in range(1500)}
+    content = json.dumps(body, separators=(",", ":")).encode()
+    assert len(content) <= MAX_BODY_BYTES  # the most unknown fields a body can carry, near enough
+
+    response = await http.post(
+        f"{stack.api}/v1/payments", content=content, headers=headers(acme, key) | {"Content-Type": "application/json"}
+    )
+
+    assert response.status_code == 400
+    problem = response.json()
+    assert problem["type"] == "/problems/invalid-request"
+    assert len(problem["errors"]) == 20 and problem["errors_omitted"] == 1500 - 20
+    assert len(response.content) < 4096
+    assert await key_row(db, acme.id, key) is None
 
 
 async def _raw_exchange(api: str, request: bytes, wait: float) -> bytes:
