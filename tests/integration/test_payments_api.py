@@ -135,7 +135,9 @@ async def test_a_missing_idempotency_key_is_400_and_stores_nothing(http, stack, 
 
 
 @pytest.mark.parametrize(
-    "bad_key", ["", "a" * 256, "has space", "semi;colon", "ключ".encode(), '"unterminated', '""', "new\\nline"]
+    "bad_key",
+    ["", "a" * 256, "has space", "semi;colon", "ключ".encode(), '"unterminated', '""', "new\\nline",
+     '"a\\qb"', '"abc";v=1', '"abc"def'],
 )
 async def test_an_invalid_idempotency_key_is_400_and_stores_nothing(http, stack, db, acme, bad_key):
     response = await post(http, stack, acme, bad_key, payment_body())

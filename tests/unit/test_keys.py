@@ -15,6 +15,8 @@ from app.payments.models import PaymentRequest, fee_for
     [
         ("8e03978e-40d5-43e8-bc93-6894a57f9324", "8e03978e-40d5-43e8-bc93-6894a57f9324"),
         ('"8e03978e-40d5-43e8-bc93-6894a57f9324"', "8e03978e-40d5-43e8-bc93-6894a57f9324"),
+        (' \t"invoice-2026-0042" ', "invoice-2026-0042"),
+        ("\tinvoice-2026-0042 ", "invoice-2026-0042"),
         ("invoice-2026-0042", "invoice-2026-0042"),
         ("a", "a"),
         ("x" * 255, "x" * 255),
@@ -25,9 +27,38 @@ def test_valid_keys_are_accepted_bare_or_quoted(raw, key):
     assert parse_idempotency_key(raw) == key
 
 
-@pytest.mark.parametrize("raw", ["", '""', "x" * 256, "a b", "a;b", "ключ", "a\x00b", '"a', "a,b", "{}"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "", '""', "x" * 256, "a b", "a;b", "ключ", "a\x00b", '"a', "a,b", "{}",
+        # Only spaces and tabs surround a field value; anything else is part of it.
+        "abc\x0b", "abc\xa0", "\x1cabc",
+    ],
+)
 def test_invalid_keys_are_refused(raw):
     with pytest.raises(InvalidIdempotencyKey):
+        parse_idempotency_key(raw)
+
+
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        ('"abc', "closing DQUOTE"),  # unterminated
+        ('"a\\qb"', "Backslash before disallowed character"),  # \q is no escape
+        ('"abc"def', "Trailing characters"),
+        ('"abc", "def"', "Trailing characters"),  # two keys
+        ('"abc";v=1', "no parameters"),
+        ('"kl\u00fcssel"', "printable ASCII"),
+    ],
+)
+def test_a_quoted_key_that_is_not_one_structured_field_string_is_refused_saying_why(raw, why):
+    with pytest.raises(InvalidIdempotencyKey, match=why):
+        parse_idempotency_key(raw)
+
+
+@pytest.mark.parametrize("raw", ['"ab\\"c"', '"a\\\\b"', '" abc"'])
+def test_an_escape_or_a_space_inside_the_quotes_is_parsed_and_then_refused_as_outside_the_charset(raw):
+    with pytest.raises(InvalidIdempotencyKey, match="characters from"):
         parse_idempotency_key(raw)
 
 
