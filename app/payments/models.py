@@ -6,12 +6,15 @@ the same `PaymentRequest` are the same payment.
 
 from __future__ import annotations
 
+import unicodedata
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, field_validator, model_validator,
+)
 
 from app.iban import normalise as normalise_iban
 
@@ -27,9 +30,42 @@ FEE_FIXED_MINOR = 25
 
 PaymentStatus = Literal["processing", "succeeded", "declined", "failed", "indeterminate"]
 
-Reference = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,64}$")]
+# Free text (a name, a reference) is checked and normalised before anything
+# else looks at it, so that what is stored, fingerprinted and sent to the rail
+# is one spelling of what the client meant:
+#
+# * NFC: "é" may arrive as one code point (U+00E9) or as "e" plus a combining
+#   accent (U+0065 U+0301), depending on the keyboard and the OS that typed
+#   it. Both are the same name; without NFC a retry from another system would
+#   be a different fingerprint, and the same key would answer 422.
+# * Refused: control characters (category Cc: C0, DEL, C1), format characters
+#   (Cf: the bidirectional overrides and isolates U+202A-U+202E and
+#   U+2066-U+2069, the marks U+200E/U+200F, invisible separators, the BOM),
+#   line and paragraph separators (Zl, Zp) and lone surrogates (Cs). They draw
+#   nothing or reorder what is drawn, so a name could show one thing on a
+#   statement and be another ("Ada" plus U+202E reversing the rest), and they
+#   break log lines. Allowed among Cf: the zero-width joiner and non-joiner
+#   (U+200D, U+200C), which Persian and the Indic scripts need to spell
+#   names correctly and which cannot reorder text.
+_REFUSED_CATEGORIES = {"Cc", "Cf", "Cs", "Zl", "Zp"}
+_ALLOWED_FORMAT = {"\u200c", "\u200d"}
+
+
+def _plain_text(value: object) -> object:
+    if not isinstance(value, str):
+        return value  # not text at all: the str type refuses it, with its own message
+    value = unicodedata.normalize("NFC", value)
+    for char in value:
+        if unicodedata.category(char) in _REFUSED_CATEGORIES and char not in _ALLOWED_FORMAT:
+            name = f" ({unicodedata.name(char)})" if unicodedata.name(char, "") else ""
+            raise ValueError(f"must not contain U+{ord(char):04X}{name}: control and formatting characters are refused")
+    return value
+
+
+# The validator runs first (it is the last Before), then the constraints see the NFC text.
+Reference = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,64}$"), BeforeValidator(_plain_text)]
 CardToken = Annotated[str, StringConstraints(pattern=r"^tok_[A-Za-z0-9_]{1,64}$")]
-Name = Annotated[str, StringConstraints(min_length=1, max_length=140, pattern=r"^[^\x00-\x1f\x7f]+$")]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=140), BeforeValidator(_plain_text)]
 
 
 def fee_for(amount_minor: int) -> int:

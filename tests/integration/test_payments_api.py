@@ -175,6 +175,35 @@ async def test_a_retry_with_the_iban_in_print_form_is_a_replay_and_the_rail_gets
     assert transfer["beneficiary_iban"] == "DE89370400440532013000"
 
 
+async def test_a_retry_with_the_name_in_decomposed_unicode_is_a_replay_not_a_422(http, stack, db, acme):
+    key = str(uuid.uuid4())
+    composed = payment_body(beneficiary={"name": "Zo\u00eb Bront\u00eb", "iban": "DE89370400440532013000"})
+    decomposed = composed | {"beneficiary": {"name": "Zoe\u0308 Bronte\u0308", "iban": "DE89370400440532013000"}}
+    first = await post(http, stack, acme, key, decomposed)
+    again = await post(http, stack, acme, key, composed)
+
+    assert first.status_code == 201, first.text
+    assert again.headers["Idempotent-Replayed"] == "true" and again.content == first.content
+    [payment] = await payments_for(db, composed["reference"])
+    assert payment["beneficiary_name"] == "Zo\u00eb Bront\u00eb"
+    [transfer] = await transfers(db, composed["reference"])
+    assert transfer["beneficiary_name"] == "Zo\u00eb Bront\u00eb"
+
+
+async def test_a_name_with_a_bidirectional_override_is_400_and_stores_nothing(http, stack, db, acme):
+    key = str(uuid.uuid4())
+    body = payment_body(beneficiary={"name": "Ada \u202eecalevoL", "iban": "DE89370400440532013000"})
+    response = await post(http, stack, acme, key, body)
+
+    assert response.status_code == 400
+    problem = response.json()
+    assert problem["type"] == "/problems/invalid-request"
+    assert problem["errors"][0]["location"] == ["body", "beneficiary", "name"]
+    assert "U+202E" in problem["errors"][0]["message"]
+    assert await key_row(db, acme.id, key) is None
+    assert await charges(db, body["reference"]) == []
+
+
 @pytest.mark.parametrize(
     "authorization", [None, "Bearer", "Bearer sk_test_not-a-real-key", "Basic dXNlcjpwYXNz", "Bearer " + "x" * 500]
 )

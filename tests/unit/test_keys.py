@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from app.idempotency.keys import (
     InvalidIdempotencyKey, derived_key, end_to_end_reference, parse_idempotency_key, request_fingerprint,
 )
 from app.payments.models import PaymentRequest, fee_for
+from app.payments.service import fingerprint
 
 
 @pytest.mark.parametrize(
@@ -98,3 +100,43 @@ def test_two_bodies_that_validate_to_the_same_payment_have_the_same_fingerprint(
     reordered = dict(reversed(list(body.items())))
     fp = [request_fingerprint("POST", "/v1/payments", PaymentRequest.model_validate(b).model_dump(mode="json")) for b in (body, reordered)]
     assert fp[0] == fp[1]
+
+
+def _request(name: str, reference: str = "r") -> PaymentRequest:
+    return PaymentRequest.model_validate({
+        "amount": 1250, "currency": "EUR", "reference": reference, "card_token": "tok_visa",
+        "beneficiary": {"name": name, "iban": "DE89370400440532013000"},
+    })
+
+
+def test_a_name_in_decomposed_unicode_is_the_same_payment_as_its_composed_form():
+    composed, decomposed = _request("Zo\u00eb Bront\u00eb"), _request("Zoe\u0308 Bronte\u0308")
+
+    assert decomposed.beneficiary.name == "Zo\u00eb Bront\u00eb"  # stored and sent to the rail in NFC
+    assert fingerprint(decomposed) == fingerprint(composed)
+
+
+def test_nfc_comes_before_the_length_limit():
+    # 140 letters once composed, 280 code points as sent.
+    assert _request("e\u0301" * 140).beneficiary.name == "\u00e9" * 140
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Ada \u202eecalevoL",  # RIGHT-TO-LEFT OVERRIDE: displays "Ada Lovelace"
+        "Ada \u2066Lovelace\u2069",  # an isolate
+        "Ada\u200f",  # RIGHT-TO-LEFT MARK
+        "Ada\x00", "Ada\x1b[31m", "Ada\x7f", "Ada\x85",  # C0, DEL, C1
+        "Ada\u2028Lovelace",  # LINE SEPARATOR: a new line in a log
+        "\ufeffAda",  # BOM
+        "Ada\u00adLovelace",  # SOFT HYPHEN: invisible
+    ],
+)
+def test_control_and_formatting_characters_in_a_name_are_refused(name):
+    with pytest.raises(ValidationError, match="control and formatting characters are refused"):
+        _request(name)
+
+
+def test_the_joiners_that_scripts_need_are_kept():
+    assert _request("\u0645\u06cc\u200c\u0631\u0648\u062f").beneficiary.name.count("\u200c") == 1  # Persian ZWNJ
