@@ -28,10 +28,17 @@ console = Console()
 
 
 def _database_url() -> str:
+    from app.config import asyncpg_url
+
     url = os.environ.get("DATABASE_URL")
     if not url:
         console.print("[red]DATABASE_URL is not set.[/] Use `make run`, or point it at a PostgreSQL server.")
         raise typer.Exit(2)
+    try:
+        asyncpg_url(url)
+    except ValueError as exc:  # the message never repeats the URL (it holds a password)
+        console.print(f"DATABASE_URL is {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(2) from None
     return url
 
 
@@ -74,7 +81,7 @@ def create_client(url: str, name: str, api_key: str | None = None) -> tuple[int,
     api_key = api_key or clients.new_api_key()
 
     async def go() -> int:
-        engine = create_async_engine(asyncpg_url(url))
+        engine = create_async_engine(asyncpg_url(url), hide_parameters=True)
         try:
             return await atomic(engine, clients.create, name, api_key)
         finally:
@@ -176,7 +183,7 @@ def breaks() -> None:
     from sqlalchemy.ext.asyncio import create_async_engine
 
     async def go() -> list[dict]:
-        engine = create_async_engine(asyncpg_url(_database_url()))
+        engine = create_async_engine(asyncpg_url(_database_url()), hide_parameters=True)
         try:
             return await read(engine, reconciliation.list_breaks)
         finally:
@@ -221,7 +228,18 @@ def naive_api(
 @cli.command()
 def migrate() -> None:
     """Apply database migrations (Alembic) to DATABASE_URL."""
-    migrate_database(_database_url())
+    from sqlalchemy.exc import DBAPIError
+
+    from app.config import redacted_url
+
+    url = _database_url()
+    try:
+        migrate_database(url)
+    except (OSError, DBAPIError) as exc:
+        # The database is unreachable or refused us: say which one, without
+        # its password, and why, without a page of traceback.
+        console.print(f"cannot migrate {redacted_url(url)}: {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(1) from None
     console.print("schema is at the newest revision")
 
 
@@ -308,7 +326,7 @@ def _demo_api_key(url: str) -> str:
         api_key = path.read_text().strip()
 
         async def known() -> bool:
-            engine = create_async_engine(asyncpg_url(url))
+            engine = create_async_engine(asyncpg_url(url), hide_parameters=True)
             try:
                 return await read(engine, clients.authenticate, api_key) is not None
             finally:

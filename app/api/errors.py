@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import traceback
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -97,5 +98,39 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        log.error("unhandled error on %s %s\n%s", request.method, request.url.path, loggable(exc))
         return problem_response(INTERNAL_ERROR, "an unexpected error occurred", instance=request.url.path)
+
+
+def loggable(exc: BaseException) -> str:
+    """The exception's traceback, every chained exception included, without PostgreSQL's DETAILs.
+
+    The statement's parameters are kept out of SQLAlchemy's errors by
+    `hide_parameters` (app/db/engine.py), but PostgreSQL itself quotes the
+    row in the DETAIL of a constraint violation ("Key (api_key_hash)=(...)
+    already exists", "Failing row contains (...)"), and asyncpg appends that
+    DETAIL to the error's text, so it would be logged with the traceback.
+    Each DETAIL is found on the exception that carries it and cut out of the
+    text, whatever it contains. (A value PostgreSQL quotes in the message
+    itself, such as `invalid input syntax for type integer: "..."`, is not:
+    only our own code passes values of the wrong type, and that is a bug to
+    fix where it happens.)
+    """
+    text = "".join(traceback.format_exception(exc))
+    for detail in _details(exc):
+        text = text.replace(detail, "(withheld: it may quote the row's values)")
+    return text
+
+
+def _details(exc: BaseException | None, seen: set[int] | None = None) -> set[str]:
+    """The `detail` of every exception chained to `exc` (asyncpg's PostgresError has one)."""
+    seen = set() if seen is None else seen
+    if exc is None or id(exc) in seen:
+        return set()
+    seen.add(id(exc))
+    detail = getattr(exc, "detail", None)
+    found = {detail} if isinstance(detail, str) and detail else set()
+    for linked in (exc.__cause__, exc.__context__, getattr(exc, "orig", None)):
+        if isinstance(linked, BaseException):
+            found |= _details(linked, seen)
+    return found
