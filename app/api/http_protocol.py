@@ -21,12 +21,14 @@ it likes. So httptools is kept and two bounds are added around it:
 * they must arrive within HEAD_TIMEOUT_SECONDS of the connection opening or
   of the request's first byte; past that the request is answered 408
   `request-timeout` (or, if nothing at all was sent, the connection is just
-  closed).
+  closed). The deadline does not run between requests on a kept-alive
+  connection: uvicorn's `timeout_keep_alive` closes an idle one.
 
 The body is bounded by app/api/body_limit.py; idle keep-alive connections by
 uvicorn's `timeout_keep_alive`; the number of connections by
 `limit_concurrency` (app/cli.py). The subclass uses the callbacks httptools
-calls on uvicorn's protocol (`on_headers_complete`, `on_message_complete`),
+calls on uvicorn's protocol (`on_message_begin`, `on_headers_complete`,
+`on_message_complete`),
 which are pinned with uvicorn; tests/integration/test_payments_api.py checks
 both bounds against the real server.
 """
@@ -53,8 +55,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._reading_head = True  # between a request's end (or the connection's start) and its headers' end
-        self._head_bytes = 0
+        self._in_head = False  # from a request's first byte to the end of its headers
+        self._in_body = False  # from the end of a request's headers to the end of the request
+        self._head_bytes = 0  # of the head being received, before this chunk
+        self._tail = b""  # the last bytes of the head so far: its blank line may span two chunks
         self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -66,24 +70,42 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._reading_head and self._head_timer is None:
-            self._arm_head_timer()  # the first bytes of the next request on a kept-alive connection
+        if not self._in_body and self._head_too_large(data):
+            # Refused before the parser sees the chunk: httptools would buffer
+            # it, and once the headers were complete the request would start.
+            self._refuse(REQUEST_HEADER_TOO_LARGE, f"the request line and headers exceed {MAX_HEAD_BYTES} bytes")
+            return
         super().data_received(data)
-        if self._reading_head and not self.transport.is_closing():
-            # Still no end of headers after this chunk: all of it was head.
-            # (httptools has buffered it; this is what bounds that buffer.)
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES:
-                self._refuse(REQUEST_HEADER_TOO_LARGE, f"the request line and headers exceed {MAX_HEAD_BYTES} bytes")
+
+    def _head_too_large(self, data: bytes) -> bool:
+        """Count the head bytes in `data` (up to the blank line that ends a head) against the cap.
+
+        Between requests or inside a head, a chunk is head up to the first
+        blank line, and body (or the next request) after it. A second head in
+        the same chunk (a pipelining client) is not counted: it gets at most
+        one read more.
+        """
+        window = self._tail + data
+        end = window.find(b"\r\n\r\n")
+        head = len(data) if end < 0 else max(0, end + 4 - len(self._tail))
+        if self._head_bytes + head > MAX_HEAD_BYTES:
+            return True
+        self._head_bytes, self._tail = (0, b"") if end >= 0 else (self._head_bytes + head, window[-3:])
+        return False
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._arm_head_timer()
+        super().on_message_begin()
 
     def on_headers_complete(self) -> None:
-        self._reading_head = False
+        self._in_head, self._in_body = False, True
         self._cancel_head_timer()
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
+        self._in_body = False
         super().on_message_complete()
-        self._reading_head, self._head_bytes = True, 0
 
     def _arm_head_timer(self) -> None:
         self._cancel_head_timer()
@@ -96,13 +118,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if not self._reading_head or self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        if not self._in_head:
+            if self.cycle is None:
+                self.transport.close()  # connected and said nothing: nobody to answer
             return
         if self.cycle is not None and not self.cycle.response_complete:
-            self._arm_head_timer()  # a pipelined request waits for the one before it: not slow
-            return
-        if self._head_bytes == 0 and self.cycle is None:
-            self.transport.close()  # connected and said nothing: nobody to answer
+            self._arm_head_timer()  # a pipelined request waits for the answer before it is cut off
             return
         self._refuse(REQUEST_TIMEOUT, f"the request's headers did not arrive within {HEAD_TIMEOUT_SECONDS:g} s")
 
