@@ -104,7 +104,9 @@ def api(
 # idle kept-alive connections are closed after TIMEOUT_KEEP_ALIVE seconds; past
 # LIMIT_CONCURRENCY open connections (or requests in progress) a process answers
 # 503 instead of taking more. The request head is bounded in size and time by
-# app/api/http_protocol.py (httptools itself bounds neither), the body by
+# app/api/http_protocol.py (httptools itself bounds neither; uvicorn's
+# h11_max_incomplete_event_size would bound the size only under --http h11,
+# which costs more CPU per request and is not used), the body by
 # app/api/body_limit.py.
 TIMEOUT_KEEP_ALIVE = 5
 LIMIT_CONCURRENCY = 1000
