@@ -1,13 +1,14 @@
 """The replay shortcut: a retry of a finished payment, answered before the framework runs.
 
-Where it sits on a request's path: it is the first of our code that every
-request meets (an ASGI middleware around the routes), and it looks only at
-`POST /v1/payments`. A retry of a payment that has finished is the request
-this service sees most when things go wrong (clients retry when they are
-slow to hear back), and it needs no decision: one read, then the stored
-response, byte for byte. So it is answered here, with the same read and the
-same rules as the full path, at well under half the CPU of going through
-FastAPI's routing, dependency solving and SQLAlchemy (docs/performance.md).
+Where it sits on a request's path: it is the second of our code that every
+request meets (an ASGI middleware around the routes, just inside the body
+cap of app/api/body_limit.py), and it looks only at `POST /v1/payments`. A
+retry of a payment that has finished is the request this service sees most
+when things go wrong (clients retry when they are slow to hear back), and it
+needs no decision: one read, then the stored response, byte for byte. So it
+is answered here, with the same read and the same rules as the full path, at
+well under half the CPU of going through FastAPI's routing, dependency
+solving and SQLAlchemy (docs/performance.md).
 
 The rule that keeps it safe: the shortcut answers only when it is sure, and
 hands everything else, untouched, to the full path.
