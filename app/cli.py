@@ -28,11 +28,38 @@ console = Console()
 
 
 def _database_url() -> str:
+    from app.config import asyncpg_url
+
     url = os.environ.get("DATABASE_URL")
     if not url:
         console.print("[red]DATABASE_URL is not set.[/] Use `make run`, or point it at a PostgreSQL server.")
         raise typer.Exit(2)
+    try:
+        asyncpg_url(url)
+    except ValueError as exc:  # the message never repeats the URL (it holds a password)
+        console.print(f"DATABASE_URL is {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(2) from None
     return url
+
+
+def _settings():
+    """The settings from the environment, or a clear refusal to start (exit 2).
+
+    A bad setting is named with pydantic's message but without the value it
+    was given (a DATABASE_URL holds a password), and without a traceback.
+    """
+    from pydantic import ValidationError
+
+    from app.config import Settings
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        for error in exc.errors(include_input=False, include_url=False):
+            name = "_".join(str(part) for part in error["loc"]).upper()
+            message = error["msg"].removeprefix("Value error, ")
+            console.print(f"invalid setting {name}: {message}", style="red", soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(2) from None
 
 
 def migrate_database(url: str) -> None:
@@ -54,7 +81,7 @@ def create_client(url: str, name: str, api_key: str | None = None) -> tuple[int,
     api_key = api_key or clients.new_api_key()
 
     async def go() -> int:
-        engine = create_async_engine(asyncpg_url(url))
+        engine = create_async_engine(asyncpg_url(url), hide_parameters=True)
         try:
             return await atomic(engine, clients.create, name, api_key)
         finally:
@@ -73,13 +100,32 @@ def api(
     _serve("app.main:create_app", host, port, workers)
 
 
+# Server-level bounds on what a client can make a process hold (README.md#bounds-on-input):
+# idle kept-alive connections are closed after TIMEOUT_KEEP_ALIVE seconds; past
+# LIMIT_CONCURRENCY open connections (or requests in progress) a process answers
+# 503 instead of taking more. The request head is bounded in size and time by
+# app/api/http_protocol.py (httptools itself bounds neither; uvicorn's
+# h11_max_incomplete_event_size would bound the size only under --http h11,
+# which costs more CPU per request and is not used), the body by
+# app/api/body_limit.py.
+TIMEOUT_KEEP_ALIVE = 5
+LIMIT_CONCURRENCY = 1000
+
+
 def _serve(factory: str, host: str, port: int, workers: int) -> None:
     import uvicorn
 
     _database_url()
+    _settings()  # refuse to start here, with a clear message, not in each worker
     # Each worker process calls the factory, so each builds its own engine
     # and HTTP client after the fork: nothing pooled is shared across processes.
-    uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False)
+    uvicorn.run(
+        factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False,
+        # An import string, so each worker process imports it itself.
+        http="app.api.http_protocol:BoundedHttpToolsProtocol",
+        timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
+        limit_concurrency=LIMIT_CONCURRENCY,
+    )
 
 
 @cli.command()
@@ -87,12 +133,12 @@ def worker() -> None:
     """Run the background worker: crash recovery, and reconciliation once per day."""
     import logging
 
-    from app.config import Settings
     from app.workers import process
 
     _database_url()
+    settings = _settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    process.main(Settings())
+    process.main(settings)
 
 
 @cli.command()
@@ -139,7 +185,7 @@ def breaks() -> None:
     from sqlalchemy.ext.asyncio import create_async_engine
 
     async def go() -> list[dict]:
-        engine = create_async_engine(asyncpg_url(_database_url()))
+        engine = create_async_engine(asyncpg_url(_database_url()), hide_parameters=True)
         try:
             return await read(engine, reconciliation.list_breaks)
         finally:
@@ -184,7 +230,18 @@ def naive_api(
 @cli.command()
 def migrate() -> None:
     """Apply database migrations (Alembic) to DATABASE_URL."""
-    migrate_database(_database_url())
+    from sqlalchemy.exc import DBAPIError
+
+    from app.config import redacted_url
+
+    url = _database_url()
+    try:
+        migrate_database(url)
+    except (OSError, DBAPIError) as exc:
+        # The database is unreachable or refused us: say which one, without
+        # its password, and why, without a page of traceback.
+        console.print(f"cannot migrate {redacted_url(url)}: {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(1) from None
     console.print("schema is at the newest revision")
 
 
@@ -271,7 +328,7 @@ def _demo_api_key(url: str) -> str:
         api_key = path.read_text().strip()
 
         async def known() -> bool:
-            engine = create_async_engine(asyncpg_url(url))
+            engine = create_async_engine(asyncpg_url(url), hide_parameters=True)
             try:
                 return await read(engine, clients.authenticate, api_key) is not None
             finally:

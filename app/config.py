@@ -6,8 +6,12 @@ app with explicit settings and several apps can live in one process.
 
 from __future__ import annotations
 
+import re
+
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from app.iban import normalise_all
 
 
 def asyncpg_url(url: str) -> str:
@@ -15,7 +19,21 @@ def asyncpg_url(url: str) -> str:
     for prefix in ("postgresql+asyncpg://", "postgresql://", "postgres://"):
         if url.startswith(prefix):
             return "postgresql+asyncpg://" + url[len(prefix) :]
-    raise ValueError(f"not a PostgreSQL URL: {url!r}")
+    # Only the scheme is repeated: the rest of a database URL holds its
+    # password, and this message ends up on a terminal or in a log.
+    scheme, sep, _ = url.partition("://")
+    shown = f" ({scheme}://...)" if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]{0,31}", scheme) else ""
+    raise ValueError(f"not a PostgreSQL URL{shown}: expected postgresql://user:password@host:port/database")
+
+
+def redacted_url(url: str) -> str:
+    """A database URL fit to print: its password replaced by ***."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(asyncpg_url(url)).set(drivername="postgresql").render_as_string(hide_password=True)
+    except Exception:  # not a URL we can take apart: show none of it
+        return "(DATABASE_URL)"
 
 
 def libpq_url(url: str) -> str:
@@ -26,7 +44,9 @@ def libpq_url(url: str) -> str:
 class Settings(BaseSettings):
     """Every knob of the service, documented in README.md#configuration."""
 
-    model_config = SettingsConfigDict(env_file=None, extra="ignore")
+    # hide_input_in_errors: a refused setting's error must not print what it
+    # was given (DATABASE_URL holds a password); the messages name the problem.
+    model_config = SettingsConfigDict(env_file=None, extra="ignore", hide_input_in_errors=True)
 
     database_url: str = Field(
         description="PostgreSQL holding the key table, payments and ledger."
@@ -37,8 +57,8 @@ class Settings(BaseSettings):
     # rail neither deduplicates by Idempotency-Key nor answers status probes,
     # so a transfer to it is sent once and never blindly retried: a timeout or
     # a lost response parks the payment for reconciliation. RAIL_LEGACY makes
-    # the whole rail legacy; RAIL_LEGACY_ACCOUNTS (comma-separated IBANs) only
-    # the payouts to those accounts.
+    # the whole rail legacy; RAIL_LEGACY_ACCOUNTS (comma-separated IBANs, in
+    # electronic or print form) only the payouts to those accounts.
     rail_legacy: bool = False
     rail_legacy_accounts: str = ""
 
@@ -91,7 +111,18 @@ class Settings(BaseSettings):
 
     @property
     def legacy_accounts(self) -> frozenset[str]:
-        return frozenset(a.strip() for a in self.rail_legacy_accounts.split(",") if a.strip())
+        """The legacy accounts' IBANs, normalised (app/iban.py) like every beneficiary's."""
+        return frozenset(a for a in self.rail_legacy_accounts.split(",") if a)
+
+    @field_validator("rail_legacy_accounts")
+    @classmethod
+    def _legacy_ibans(cls, value: str) -> str:
+        # Normalised, so "gb82 west 1234 ..." matches the normalised beneficiary
+        # IBAN of a payment (an exact comparison would miss it, and a legacy
+        # payout would be retried as if the rail deduplicated: a second payout).
+        # An entry that is not an IBAN refuses start-up rather than being
+        # silently never matched.
+        return ",".join(sorted(normalise_all(value)))
 
     @field_validator("payments_crash_at")
     @classmethod

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from fastapi.telemetry import TelemetryConfig
 
 from app.api import errors
+from app.api.body_limit import BodyLimit
 from app.api.replay_shortcut import ReplayShortcut
 from app.api.routes import router
 from app.config import Settings
@@ -53,6 +54,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Retries of finished payments are answered here, before routing
     # (app/api/replay_shortcut.py); everything else passes through untouched.
     app.add_middleware(ReplayShortcut)
+    # Added last, so outermost: a body over the cap is refused (413) before
+    # the shortcut, FastAPI or authentication reads it (app/api/body_limit.py).
+    app.add_middleware(BodyLimit)
     _document_required_key(app)
     return app
 

@@ -41,7 +41,8 @@ IDEMPOTENCY_KEY_INVALID = _t(
 INVALID_REQUEST = _t(
     "invalid-request", 400, "The request body is invalid",
     "The body is not valid JSON or does not match the schema; `errors` lists each problem "
-    "with its location. Nothing was stored and the key was not used.",
+    "with its location (the first 20; `errors_omitted` counts any more). Nothing was stored "
+    "and the key was not used.",
 )
 UNAUTHENTICATED = _t(
     "unauthenticated", 401, "Missing or unknown API key",
@@ -70,6 +71,21 @@ IDEMPOTENCY_KEY_REUSED = _t(
     "This key was first used with a different method, path or body. A key identifies one "
     "payment; generate a new key for a new payment. Nothing was done.",
 )
+PAYLOAD_TOO_LARGE = _t(
+    "payload-too-large", 413, "The request body is too large",
+    "A request body may be at most 16 KiB (a payment is well under 4 KiB). The request was "
+    "refused before it was read or authenticated. Nothing was stored.",
+)
+REQUEST_HEADER_TOO_LARGE = _t(
+    "request-header-too-large", 431, "Request Header Fields Too Large",
+    "The request line and headers together may be at most 16 KiB. The request was refused "
+    "before it reached the application and the connection closed. Nothing was stored.",
+)
+REQUEST_TIMEOUT = _t(
+    "request-timeout", 408, "Request Timeout",
+    "The request's headers did not arrive within 10 seconds. The connection was closed and "
+    "nothing was stored; send the request again, all at once.",
+)
 METHOD_NOT_ALLOWED = _t(
     "method-not-allowed", 405, "Method not allowed", "This path does not accept this HTTP method."
 )
@@ -83,7 +99,8 @@ CATALOGUE: dict[str, ProblemType] = {
     t.slug: t
     for t in (
         IDEMPOTENCY_KEY_MISSING, IDEMPOTENCY_KEY_INVALID, INVALID_REQUEST, UNAUTHENTICATED,
-        NOT_FOUND, METHOD_NOT_ALLOWED, REQUEST_IN_PROGRESS, DUPLICATE_PAYMENT,
+        NOT_FOUND, METHOD_NOT_ALLOWED, REQUEST_TIMEOUT, PAYLOAD_TOO_LARGE, REQUEST_HEADER_TOO_LARGE,
+        REQUEST_IN_PROGRESS, DUPLICATE_PAYMENT,
         IDEMPOTENCY_KEY_REUSED, INTERNAL_ERROR,
     )
 }

@@ -31,6 +31,8 @@ import typer
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from schwifty import IBAN
+from schwifty.exceptions import SchwiftyException
 
 from fake_rails.common import (
     DATABASE_URL_HELP,
@@ -166,6 +168,20 @@ def parse_cutoff(value: str) -> time | None:
     raise ValueError(f"{value!r} is not a HH:MM time (00:00 to 23:59, or 24:00 for none)")
 
 
+def electronic_iban(text: str) -> str:
+    """An IBAN's electronic form (no spaces, upper case), valid or not: for comparing."""
+    return IBAN(text, allow_invalid=True).compact
+
+
+def legacy_iban(text: str) -> str:
+    """A configured legacy account, validated (this rail is independent of the
+    payment service's code, so it asks schwifty itself) and in electronic form."""
+    try:
+        return IBAN(text).compact
+    except SchwiftyException as exc:
+        raise ValueError(f"legacy account {text.strip()!r} is not a valid IBAN: {exc}") from None
+
+
 def create_app(
     database_url: str,
     legacy: bool = False,
@@ -173,16 +189,21 @@ def create_app(
     cutoff: time | None = DEFAULT_CUTOFF,
 ) -> FastAPI:
     """The rail. `legacy`: every transfer is legacy; `legacy_accounts`: the
-    transfers to these beneficiary IBANs (compared exactly) are; `cutoff`:
-    the daily cut-off time in UTC, None for none."""
-    legacy_accounts = frozenset(a.strip() for a in legacy_accounts if a.strip())
+    transfers to these beneficiary IBANs (compared in electronic form, so
+    `GB82 WEST ...` and `GB82WEST...` are one account) are; `cutoff`: the
+    daily cut-off time in UTC, None for none. An entry of `legacy_accounts`
+    that is not a valid IBAN raises ValueError."""
+    legacy_accounts = frozenset(legacy_iban(a) for a in legacy_accounts if a.strip())
     app = base_app("fake-rail", database_url, "fake_rail", DDL, ["transfer"])
 
     def pool() -> asyncpg.Pool:
         return app.state.pool
 
     def is_legacy(body: TransferRequest) -> bool:
-        return legacy or body.beneficiary_iban in legacy_accounts
+        # Both sides in electronic form: a payout written in print form to a
+        # legacy account is still legacy (an exact comparison would treat it
+        # as deduplicated, and the rail would then honour a key it must not).
+        return legacy or electronic_iban(body.beneficiary_iban) in legacy_accounts
 
     async def book(conn: asyncpg.Connection) -> tuple[datetime, date]:
         """Now, and the day a transfer accepted now is booked on."""
@@ -348,12 +369,15 @@ def main() -> None:
             "23:00", help="Daily cut-off, HH:MM UTC: later transfers book next day (24:00: none)."
         ),
     ) -> None:
-        app = create_app(
-            database_url_or_exit(database_url),
-            legacy=legacy,
-            legacy_accounts=legacy_accounts.split(","),
-            cutoff=_cutoff_option(cutoff),
-        )
+        try:
+            app = create_app(
+                database_url_or_exit(database_url),
+                legacy=legacy,
+                legacy_accounts=legacy_accounts.split(","),
+                cutoff=_cutoff_option(cutoff),
+            )
+        except ValueError as exc:  # a legacy account that is not an IBAN
+            raise typer.BadParameter(str(exc), param_hint="--legacy-accounts") from None
         serve_app(app, host, port)
 
     typer.run(serve)

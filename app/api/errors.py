@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import traceback
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,6 +24,13 @@ from app.problems import (
 
 log = logging.getLogger(__name__)
 PROBLEM_JSON = "application/problem+json"
+
+# A body with thousands of unknown fields has thousands of errors; listing
+# them all would make the answer many times bigger than the request (the
+# 1,500 unknown fields that fit in a 16 KiB body make some 150 KB of JSON).
+# The first few say what is wrong; `errors_omitted` says how many more there
+# were.
+MAX_LISTED_ERRORS = 20
 
 
 def problem_response(
@@ -45,6 +53,24 @@ def problem_response(
     )
 
 
+def validation_problem(exc: RequestValidationError, instance: str) -> Response:
+    """400 invalid-request listing at most MAX_LISTED_ERRORS of the body's errors."""
+    found = exc.errors()
+    errors = [
+        {"location": list(e.get("loc", ())), "message": e.get("msg", ""), "type": e.get("type", "")}
+        for e in found[:MAX_LISTED_ERRORS]
+    ]
+    extensions: dict[str, Any] = {"errors": errors}
+    if len(found) > MAX_LISTED_ERRORS:
+        extensions["errors_omitted"] = len(found) - MAX_LISTED_ERRORS
+    return problem_response(
+        INVALID_REQUEST,
+        "; ".join(f"{'.'.join(map(str, e['location']))}: {e['message']}" for e in errors)[:1000],
+        instance=instance,
+        **extensions,
+    )
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ProblemError)
     async def _problem(request: Request, exc: ProblemError) -> Response:
@@ -54,16 +80,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
-        errors = [
-            {"location": list(e.get("loc", ())), "message": e.get("msg", ""), "type": e.get("type", "")}
-            for e in exc.errors()
-        ]
-        return problem_response(
-            INVALID_REQUEST,
-            "; ".join(f"{'.'.join(map(str, e['location']))}: {e['message']}" for e in errors)[:1000],
-            instance=request.url.path,
-            errors=errors,
-        )
+        return validation_problem(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
@@ -81,5 +98,39 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        log.error("unhandled error on %s %s\n%s", request.method, request.url.path, loggable(exc))
         return problem_response(INTERNAL_ERROR, "an unexpected error occurred", instance=request.url.path)
+
+
+def loggable(exc: BaseException) -> str:
+    """The exception's traceback, every chained exception included, without PostgreSQL's DETAILs.
+
+    The statement's parameters are kept out of SQLAlchemy's errors by
+    `hide_parameters` (app/db/engine.py), but PostgreSQL itself quotes the
+    row in the DETAIL of a constraint violation ("Key (api_key_hash)=(...)
+    already exists", "Failing row contains (...)"), and asyncpg appends that
+    DETAIL to the error's text, so it would be logged with the traceback.
+    Each DETAIL is found on the exception that carries it and cut out of the
+    text, whatever it contains. (A value PostgreSQL quotes in the message
+    itself, such as `invalid input syntax for type integer: "..."`, is not:
+    only our own code passes values of the wrong type, and that is a bug to
+    fix where it happens.)
+    """
+    text = "".join(traceback.format_exception(exc))
+    for detail in _details(exc):
+        text = text.replace(detail, "(withheld: it may quote the row's values)")
+    return text
+
+
+def _details(exc: BaseException | None, seen: set[int] | None = None) -> set[str]:
+    """The `detail` of every exception chained to `exc` (asyncpg's PostgresError has one)."""
+    seen = set() if seen is None else seen
+    if exc is None or id(exc) in seen:
+        return set()
+    seen.add(id(exc))
+    detail = getattr(exc, "detail", None)
+    found = {detail} if isinstance(detail, str) and detail else set()
+    for linked in (exc.__cause__, exc.__context__, getattr(exc, "orig", None)):
+        if isinstance(linked, BaseException):
+            found |= _details(linked, seen)
+    return found

@@ -1,13 +1,14 @@
 """The replay shortcut: a retry of a finished payment, answered before the framework runs.
 
-Where it sits on a request's path: it is the first of our code that every
-request meets (an ASGI middleware around the routes), and it looks only at
-`POST /v1/payments`. A retry of a payment that has finished is the request
-this service sees most when things go wrong (clients retry when they are
-slow to hear back), and it needs no decision: one read, then the stored
-response, byte for byte. So it is answered here, with the same read and the
-same rules as the full path, at well under half the CPU of going through
-FastAPI's routing, dependency solving and SQLAlchemy (docs/performance.md).
+Where it sits on a request's path: it is the second of our code that every
+request meets (an ASGI middleware around the routes, just inside the body
+cap of app/api/body_limit.py), and it looks only at `POST /v1/payments`. A
+retry of a payment that has finished is the request this service sees most
+when things go wrong (clients retry when they are slow to hear back), and it
+needs no decision: one read, then the stored response, byte for byte. So it
+is answered here, with the same read and the same rules as the full path, at
+well under half the CPU of going through FastAPI's routing, dependency
+solving and SQLAlchemy (docs/performance.md).
 
 The rule that keeps it safe: the shortcut answers only when it is sure, and
 hands everything else, untouched, to the full path.
@@ -37,6 +38,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from app.api.body_limit import MAX_BODY_BYTES
 from app.api.deps import bearer_api_key, hand_over, look_up
 from app.api.routes import final_response
 from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
@@ -51,9 +53,10 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PATH = "/v1/payments"
-# A payment request is a few hundred bytes. A bigger body (or one of unknown
-# length) goes to the full path, so the shortcut never buffers much.
-MAX_BODY_BYTES = 16 * 1024
+# A payment request is a few hundred bytes. A body of unknown length goes to
+# the full path, so the shortcut never buffers much; one over MAX_BODY_BYTES
+# (the body cap, the same constant) never gets here (app/api/body_limit.py),
+# and the shortcut checks it again rather than rely on its position.
 
 
 class ReplayShortcut:

@@ -56,6 +56,7 @@ def _example(slug: str) -> dict[str, Any]:
         400: _problem_doc("idempotency-key-missing", "idempotency-key-invalid", "invalid-request"),
         401: _problem_doc("unauthenticated"),
         409: _problem_doc("request-in-progress", "duplicate-payment"),
+        413: _problem_doc("payload-too-large"),
         422: _problem_doc("idempotency-key-reused"),
     },
 )

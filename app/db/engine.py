@@ -29,6 +29,10 @@ _SERVER_SETTINGS = {"timezone": "UTC"}
 def build_engine(settings: Settings) -> AsyncEngine:
     return create_async_engine(
         settings.database_url,
+        # A statement's parameters are card tokens, names, IBANs and API key
+        # hashes; SQLAlchemy puts them into the text of every database error
+        # ("[parameters: ...]"), which is then logged. Never.
+        hide_parameters=True,
         pool_size=settings.db_pool_size,
         max_overflow=0,
         pool_pre_ping=False,

@@ -15,6 +15,8 @@ import json
 import re
 from typing import Any
 
+import http_sf
+
 MAX_KEY_LENGTH = 255
 # UUIDs, ULIDs and most natural keys ("invoice-2026-0042") fit. Nothing that
 # needs quoting, escaping or normalising: a key compares byte for byte.
@@ -29,19 +31,45 @@ class InvalidIdempotencyKey(ValueError):
 def parse_idempotency_key(raw: str) -> str:
     """The key from an `Idempotency-Key` header value.
 
-    The IETF draft defines the header as a structured-field string, which is
-    quoted (`"8e03978e-..."`); many clients send the bare value. Both are
-    accepted and mean the same key.
+    The IETF draft defines the header as a structured-field String (RFC 9651),
+    which is quoted (`"8e03978e-..."`); many clients send the bare value. Both
+    are accepted and mean the same key, and the replay shortcut calls this
+    same function, so the two paths always agree on what key a request has.
+
+    Which form is which: a value that starts with a double quote is parsed as
+    a structured-field item by http-sf, and must be a String with no
+    parameters; anything else is the bare form. (A bare key is not a valid
+    sf-string, and most are not valid sf-tokens either: a UUID starting with
+    a digit is neither, so the bare form cannot go through the parser.) A
+    quoted value the parser refuses, an unterminated quote, an escape other
+    than `\"` or `\\`, a character outside printable ASCII, text after the
+    closing quote, is refused here: a hand-rolled "strip the quotes" would
+    take `"abc` or `"a"b"` for some other key. Either way the key itself must
+    then be 1 to 255 characters from KEY_CHARSET, which has no quote or
+    backslash, so an escaped character is never part of a key.
     """
-    value = raw.strip()
-    if len(value) >= 2 and value[0] == value[-1] == '"':
-        value = value[1:-1]
+    value = raw.strip(" \t")  # optional whitespace around a field value (RFC 9110)
+    if value.startswith('"'):
+        value = _sf_string(value)
     if not _KEY.fullmatch(value):
         raise InvalidIdempotencyKey(
             f"an Idempotency-Key is 1 to {MAX_KEY_LENGTH} characters from "
             f"[{KEY_CHARSET}]"
         )
     return value
+
+
+def _sf_string(value: str) -> str:
+    """The String in a quoted header value; InvalidIdempotencyKey if it is not exactly one."""
+    if not value.isascii():
+        raise InvalidIdempotencyKey("a quoted Idempotency-Key must be printable ASCII")
+    try:
+        item, parameters = http_sf.parse(value.encode("ascii"), tltype="item")
+    except http_sf.StructuredFieldError as exc:
+        raise InvalidIdempotencyKey(f"a quoted Idempotency-Key must be a structured-field string: {exc}") from None
+    if not isinstance(item, str) or parameters:
+        raise InvalidIdempotencyKey("a quoted Idempotency-Key must be a structured-field string with no parameters")
+    return item
 
 
 def canonical_json(value: Any) -> bytes:

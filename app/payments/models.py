@@ -6,13 +6,17 @@ the same `PaymentRequest` are the same payment.
 
 from __future__ import annotations
 
-import re
+import unicodedata
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, field_validator, model_validator,
+)
+
+from app.iban import normalise as normalise_iban
 
 # ISO 4217 codes we settle, with their minor-unit exponent (for people reading
 # amounts; the service itself only ever handles integer minor units).
@@ -26,37 +30,65 @@ FEE_FIXED_MINOR = 25
 
 PaymentStatus = Literal["processing", "succeeded", "declined", "failed", "indeterminate"]
 
-Reference = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,64}$")]
-CardToken = Annotated[str, StringConstraints(pattern=r"^tok_[A-Za-z0-9_]{1,64}$")]
-Name = Annotated[str, StringConstraints(min_length=1, max_length=140, pattern=r"^[^\x00-\x1f\x7f]+$")]
+# Free text (a name, a reference) is checked and normalised before anything
+# else looks at it, so that what is stored, fingerprinted and sent to the rail
+# is one spelling of what the client meant:
+#
+# * NFC: "é" may arrive as one code point (U+00E9) or as "e" plus a combining
+#   accent (U+0065 U+0301), depending on the keyboard and the OS that typed
+#   it. Both are the same name; without NFC a retry from another system would
+#   be a different fingerprint, and the same key would answer 422.
+# * Refused: control characters (category Cc: C0, DEL, C1), format characters
+#   (Cf: the bidirectional overrides and isolates U+202A-U+202E and
+#   U+2066-U+2069, the marks U+200E/U+200F, invisible separators, the BOM),
+#   line and paragraph separators (Zl, Zp) and lone surrogates (Cs). They draw
+#   nothing or reorder what is drawn, so a name could show one thing on a
+#   statement and be another ("Ada" plus U+202E reversing the rest), and they
+#   break log lines. Allowed among Cf: the zero-width joiner and non-joiner
+#   (U+200D, U+200C), which Persian and the Indic scripts need to spell
+#   names correctly and which cannot reorder text.
+_REFUSED_CATEGORIES = {"Cc", "Cf", "Cs", "Zl", "Zp"}
+_ALLOWED_FORMAT = {"\u200c", "\u200d"}
 
-_IBAN = re.compile(r"^[A-Z]{2}[0-9]{2}[A-Z0-9]{11,30}$")
+
+def _plain_text(value: object) -> object:
+    if not isinstance(value, str):
+        return value  # not text at all: the str type refuses it, with its own message
+    value = unicodedata.normalize("NFC", value)
+    for char in value:
+        if unicodedata.category(char) in _REFUSED_CATEGORIES and char not in _ALLOWED_FORMAT:
+            name = f" ({unicodedata.name(char)})" if unicodedata.name(char, "") else ""
+            raise ValueError(f"must not contain U+{ord(char):04X}{name}: control and formatting characters are refused")
+    return value
+
+
+# The validator runs first (it is the last Before), then the constraints see the NFC text.
+Reference = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,64}$"), BeforeValidator(_plain_text)]
+CardToken = Annotated[str, StringConstraints(pattern=r"^tok_[A-Za-z0-9_]{1,64}$")]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=140), BeforeValidator(_plain_text)]
 
 
 def fee_for(amount_minor: int) -> int:
     return -(-amount_minor * FEE_BASIS_POINTS // 10_000) + FEE_FIXED_MINOR
 
 
-def iban_is_valid(iban: str) -> bool:
-    """ISO 13616: the shape, then the mod-97 check digits."""
-    if not _IBAN.fullmatch(iban):
-        return False
-    rearranged = iban[4:] + iban[:4]
-    return int("".join(str(int(ch, 36)) for ch in rearranged)) % 97 == 1
-
-
 class Beneficiary(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Name = Field(description="Account holder's name, as the rail will show it.")
-    iban: str = Field(description="IBAN without spaces.", examples=["DE89370400440532013000"])
+    iban: str = Field(
+        description="The account's IBAN, electronic (`DE89370400440532013000`) or print form "
+        "(`DE89 3704 0044 0532 0130 00`, any case). Stored, fingerprinted and returned in "
+        "electronic form.",
+        examples=["DE89370400440532013000"],
+    )
 
     @field_validator("iban")
     @classmethod
     def _iban(cls, value: str) -> str:
-        if not iban_is_valid(value):
-            raise ValueError("not a valid IBAN (uppercase, no spaces, correct check digits)")
-        return value
+        # Normalised here, before the fingerprint is taken: the same account
+        # written with spaces is the same payment, not a 422 on a retry.
+        return normalise_iban(value)
 
 
 class PaymentRequest(BaseModel):

@@ -521,6 +521,29 @@ async def test_per_account_legacy_applies_only_to_the_listed_iban(account_rail, 
     assert config == {"legacy": False, "legacy_accounts": [LEGACY_IBAN], "cutoff": None}
 
 
+async def test_a_legacy_account_matches_in_any_spelling_of_its_iban(rails_db_url, db):
+    # Configured in print form, lower case; paid to in electronic and in print form.
+    app = rail_module.create_app(rails_db_url, legacy_accounts=["gb33 bukb 2020 1555 5555 55"], cutoff=None)
+    async for account_rail in _serve(app, "http://account-rail"):
+        electronic = await post(account_rail, "/v1/transfers", transfer_body("a", beneficiary_iban=LEGACY_IBAN), "k1")
+        printed = await post(
+            account_rail, "/v1/transfers", transfer_body("b", beneficiary_iban="GB33 BUKB 2020 1555 5555 55"), "k2"
+        )
+        config = (await account_rail.get("/_admin/config")).json()
+
+    assert electronic.json()["legacy"] and printed.json()["legacy"]
+    assert [(r["reference"], r["legacy"], r["idempotency_key"]) for r in await rows(db, "fake_rail.transfer")] == [
+        ("a", True, None),
+        ("b", True, None),
+    ]
+    assert config["legacy_accounts"] == [LEGACY_IBAN]
+
+
+def test_a_legacy_account_that_is_not_an_iban_refuses_the_rail(rails_db_url):
+    with pytest.raises(ValueError, match="'GB00BUKB20201555555555' is not a valid IBAN"):
+        rail_module.create_app(rails_db_url, legacy_accounts=["GB00BUKB20201555555555"])
+
+
 async def test_a_legacy_transfer_cannot_be_probed_per_account_404_whole_rail_501(
     account_rail, legacy_rail, db
 ):

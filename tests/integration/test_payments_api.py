@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 
 import httpx
 import pytest
 
+from app.api.body_limit import MAX_BODY_BYTES
+from app.api.http_protocol import HEAD_TIMEOUT_SECONDS, MAX_HEAD_BYTES
 from app.idempotency.keys import derived_key, end_to_end_reference
 from tests.support import (
     charges, claimed, headers, key_row, ledger, payment_body, payments_for, refunds, transfers, unbalanced_payments,
@@ -132,7 +135,9 @@ async def test_a_missing_idempotency_key_is_400_and_stores_nothing(http, stack, 
 
 
 @pytest.mark.parametrize(
-    "bad_key", ["", "a" * 256, "has space", "semi;colon", "ключ".encode(), '"unterminated', '""', "new\\nline"]
+    "bad_key",
+    ["", "a" * 256, "has space", "semi;colon", "ключ".encode(), '"unterminated', '""', "new\\nline",
+     '"a\\qb"', '"abc";v=1', '"abc"def'],
 )
 async def test_an_invalid_idempotency_key_is_400_and_stores_nothing(http, stack, db, acme, bad_key):
     response = await post(http, stack, acme, bad_key, payment_body())
@@ -151,6 +156,52 @@ async def test_the_quoted_structured_field_form_is_the_same_key_as_the_bare_form
     assert quoted.headers["Idempotent-Replayed"] == "true"
     assert quoted.content == bare.content
     assert len(await charges(db, body["reference"])) == 1
+
+
+async def test_a_retry_with_the_iban_in_print_form_is_a_replay_and_the_rail_gets_the_electronic_form(
+    http, stack, db, acme
+):
+    key, body = str(uuid.uuid4()), payment_body()
+    printed = body | {"beneficiary": {"name": "Ada Lovelace", "iban": "de89 3704 0044 0532 0130 00"}}
+    first = await post(http, stack, acme, key, printed)
+    again = await post(http, stack, acme, key, body)
+
+    assert first.status_code == 201, first.text
+    assert again.headers["Idempotent-Replayed"] == "true" and again.content == first.content
+    assert first.json()["beneficiary"]["iban"] == "DE89370400440532013000"
+    [payment] = await payments_for(db, body["reference"])
+    assert payment["beneficiary_iban"] == "DE89370400440532013000"
+    [transfer] = await transfers(db, body["reference"])
+    assert transfer["beneficiary_iban"] == "DE89370400440532013000"
+
+
+async def test_a_retry_with_the_name_in_decomposed_unicode_is_a_replay_not_a_422(http, stack, db, acme):
+    key = str(uuid.uuid4())
+    composed = payment_body(beneficiary={"name": "Zo\u00eb Bront\u00eb", "iban": "DE89370400440532013000"})
+    decomposed = composed | {"beneficiary": {"name": "Zoe\u0308 Bronte\u0308", "iban": "DE89370400440532013000"}}
+    first = await post(http, stack, acme, key, decomposed)
+    again = await post(http, stack, acme, key, composed)
+
+    assert first.status_code == 201, first.text
+    assert again.headers["Idempotent-Replayed"] == "true" and again.content == first.content
+    [payment] = await payments_for(db, composed["reference"])
+    assert payment["beneficiary_name"] == "Zo\u00eb Bront\u00eb"
+    [transfer] = await transfers(db, composed["reference"])
+    assert transfer["beneficiary_name"] == "Zo\u00eb Bront\u00eb"
+
+
+async def test_a_name_with_a_bidirectional_override_is_400_and_stores_nothing(http, stack, db, acme):
+    key = str(uuid.uuid4())
+    body = payment_body(beneficiary={"name": "Ada \u202eecalevoL", "iban": "DE89370400440532013000"})
+    response = await post(http, stack, acme, key, body)
+
+    assert response.status_code == 400
+    problem = response.json()
+    assert problem["type"] == "/problems/invalid-request"
+    assert problem["errors"][0]["location"] == ["body", "beneficiary", "name"]
+    assert "U+202E" in problem["errors"][0]["message"]
+    assert await key_row(db, acme.id, key) is None
+    assert await charges(db, body["reference"]) == []
 
 
 @pytest.mark.parametrize(
@@ -269,7 +320,7 @@ async def test_a_rail_rejection_is_compensated_by_exactly_one_refund(http, stack
     [
         b"{not json",
         b'\xff\xfe{"amount": 1}',
-        b"[" * 100_000,
+        b"[" * 16_000,  # under the body cap (row 14c), nested past any parser's patience
         b"[" * 8_000 + b"]" * 8_000,  # well-formed, but nested past json.loads' recursion limit
         b"[]",
         b"",
@@ -279,6 +330,8 @@ async def test_a_rail_rejection_is_compensated_by_exactly_one_refund(http, stack
         json.dumps(payment_body(amount=10)).encode(),
         json.dumps(payment_body(currency="XXX")).encode(),
         json.dumps(payment_body(beneficiary={"name": "A", "iban": "DE00370400440532013000"})).encode(),
+        json.dumps(payment_body(beneficiary={"name": "A", "iban": "XX46370400440532013000"})).encode(),
+        json.dumps(payment_body(beneficiary={"name": "A", "iban": "DE66370400440532013000123456789012"})).encode(),
         json.dumps(payment_body(card_token="4111111111111111")).encode(),
         json.dumps(payment_body(reference="x" * 65)).encode(),
         json.dumps(payment_body(unexpected=True)).encode(),
@@ -298,6 +351,123 @@ async def test_a_malformed_body_is_a_400_problem_and_stores_nothing(http, stack,
     assert problem["type"] == "/problems/invalid-request" and problem["errors"]
     assert await db.fetchval("SELECT count(*) FROM idempotency_key") == 0
     assert await db.fetchval("SELECT count(*) FROM fake_psp.charge") == 0
+
+
+async def test_a_20_mb_body_without_credentials_is_refused_413_before_it_is_read(http, stack, db):
+    started = time.monotonic()
+    response = await http.post(
+        f"{stack.api}/v1/payments", content=b"{" + b" " * 20_000_000 + b"}",
+        headers={"Content-Type": "application/json", "Idempotency-Key": str(uuid.uuid4())},
+    )
+
+    # 413, not 401 (authentication comes after) nor 400 (nothing was parsed).
+    assert response.status_code == 413, response.text
+    assert response.headers["content-type"] == PROBLEM
+    assert response.json()["type"] == "/problems/payload-too-large"
+    assert time.monotonic() - started < 10  # answered at once, not after buffering 20 MB
+    assert await db.fetchval("SELECT count(*) FROM idempotency_key") == 0
+    assert await db.fetchval("SELECT count(*) FROM payment") == 0
+
+
+async def test_a_chunked_body_that_grows_past_the_cap_is_refused_413_and_stores_nothing(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), payment_body()
+
+    async def chunks(pieces):
+        for piece in pieces:
+            yield piece
+
+    # No Content-Length: the cap can only be enforced by counting what arrives.
+    padded = json.dumps(body).encode()[:-1] + b"," + b" " * 32 * 1024 + b'"x": 1}'
+    refused = await http.post(
+        f"{stack.api}/v1/payments", content=chunks([padded[i : i + 1024] for i in range(0, len(padded), 1024)]),
+        headers=headers(acme, key) | {"Content-Type": "application/json"},
+    )
+    assert "content-length" not in refused.request.headers
+    assert refused.status_code == 413, refused.text
+    assert refused.json()["type"] == "/problems/payload-too-large"
+    assert await key_row(db, acme.id, key) is None
+    assert await charges(db, body["reference"]) == []
+
+    # A payment sent chunked, under the cap, is counted and let through.
+    fine = await http.post(
+        f"{stack.api}/v1/payments", content=chunks([json.dumps(body).encode()]),
+        headers=headers(acme, key) | {"Content-Type": "application/json"},
+    )
+    assert fine.status_code == 201, fine.text
+    assert len(await charges(db, body["reference"])) == 1
+
+
+async def test_a_body_with_1500_unknown_fields_is_a_small_400_listing_20_of_them(http, stack, db, acme):
+    key = str(uuid.uuid4())
+    body = payment_body() | {f"f{i}": 0 for i in range(1500)}
+    content = json.dumps(body, separators=(",", ":")).encode()
+    assert len(content) <= MAX_BODY_BYTES  # the most unknown fields a body can carry, near enough
+
+    response = await http.post(
+        f"{stack.api}/v1/payments", content=content, headers=headers(acme, key) | {"Content-Type": "application/json"}
+    )
+
+    assert response.status_code == 400
+    problem = response.json()
+    assert problem["type"] == "/problems/invalid-request"
+    assert len(problem["errors"]) == 20 and problem["errors_omitted"] == 1500 - 20
+    assert len(response.content) < 4096
+    assert await key_row(db, acme.id, key) is None
+
+
+async def _raw_exchange(api: str, request: bytes, wait: float) -> bytes:
+    """Send raw bytes to the API and read until it closes; b"" for a reset. Fails after `wait` seconds."""
+    host, port = api.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), wait)
+    except ConnectionError:
+        return b""  # closed on us while we were still sending: refused, not hung
+    finally:
+        writer.close()
+
+
+def _raw_payment(client, key: str, body: bytes, padding: int) -> bytes:
+    """A whole POST /v1/payments, head and body in one write, with a header of `padding` bytes."""
+    return (
+        f"POST /v1/payments HTTP/1.1\r\nHost: api\r\nAuthorization: Bearer {client.api_key}\r\n"
+        f"Idempotency-Key: {key}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n"
+    ).encode() + b"X-Padding: " + b"a" * padding + b"\r\n\r\n" + body
+
+
+async def test_a_100_kb_header_is_refused_431_not_read_into_memory(http, stack, db, acme):
+    key, body = str(uuid.uuid4()), json.dumps(payment_body()).encode()
+
+    # httptools alone would parse the header, however long, and serve the request.
+    answer = await _raw_exchange(stack.api, _raw_payment(acme, key, body, 100_000), wait=15)
+
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    if answer:
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["type"] == "/problems/request-header-too-large"
+    assert await key_row(db, acme.id, key) is None
+    assert await db.fetchval("SELECT count(*) FROM fake_psp.charge") == 0
+
+    # Just under the cap, with a body just under its own, in one write: served.
+    # (The body's bytes are not counted as head.)
+    near_cap = payment_body() | {"beneficiary": {"name": "A" * 140, "iban": "DE89370400440532013000"}}
+    body = json.dumps(near_cap).encode().replace(b", ", b"," + b" " * (MAX_BODY_BYTES - 600), 1)
+    answer = await _raw_exchange(stack.api, _raw_payment(acme, key, body, MAX_HEAD_BYTES - 500), wait=30)
+    assert answer.startswith(b"HTTP/1.1 201 "), answer[:300]
+    assert len(await charges(db, near_cap["reference"])) == 1
+
+
+async def test_a_client_that_sends_its_headers_too_slowly_is_answered_408_and_cut_off(stack):
+    # Half a request line and a header, then nothing: without a deadline the
+    # connection would be held open for as long as the client liked.
+    started = time.monotonic()
+    answer = await _raw_exchange(stack.api, b"POST /v1/payments HTTP/1.1\r\nHost: api\r\n", wait=HEAD_TIMEOUT_SECONDS + 10)
+
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["type"] == "/problems/request-timeout"
+    assert HEAD_TIMEOUT_SECONDS - 1 < time.monotonic() - started < HEAD_TIMEOUT_SECONDS + 10
 
 
 async def test_a_lost_rail_response_is_recovered_by_the_inline_probe_without_a_second_transfer(http, stack, db, acme):

@@ -1,0 +1,109 @@
+"""The body cap: a request body over MAX_BODY_BYTES is refused before anything reads it.
+
+Where it sits: the outermost of our middleware, so it is the first of our
+code that every request meets, before the replay shortcut, before FastAPI
+parses the body and before anyone is authenticated. Without it, FastAPI reads
+a whole body into memory before it looks at the Authorization header: one
+unauthenticated client with a 20 MB body (or a chunked one that never ends)
+costs memory and CPU in every API process it reaches.
+
+Two ways a body can be too big, both answered 413 `payload-too-large`:
+
+* its `Content-Length` says so: refused at once, without reading a byte of it;
+* it is sent chunked (no `Content-Length`): its bytes are counted as they
+  arrive, and the request is refused as soon as the count passes the cap.
+
+Either way nothing of the body is kept: the app never sees more than the
+cap. The connection stays open and the server (uvicorn) reads and discards
+whatever the client is still sending, without buffering it. That is
+deliberate: most clients send the whole body before they read the answer,
+and closing a socket with unread data in it makes the kernel reset the
+connection, so the client would see "connection reset" instead of the 413.
+A client that keeps sending holds one connection and costs its own upload
+bandwidth, no memory; `--limit-concurrency` bounds how many can do so
+(app/cli.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from app.api.errors import problem_response
+from app.problems import PAYLOAD_TOO_LARGE
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# A payment request is a few hundred bytes and well under 4 KiB with the
+# longest name and reference the schema allows; 16 KiB leaves room for
+# whitespace and still bounds what one request can make us hold.
+MAX_BODY_BYTES = 16 * 1024
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a body over `max_bytes`, declared or counted."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+
+        received = 0
+        started = refused = False
+
+        async def counted() -> Message:
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    refused = True
+                    if not started:
+                        await self._refuse(scope, receive, send)
+                    # To the app, the client is gone: it stops reading, and
+                    # whatever it answers is dropped (below).
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded(message: Message) -> None:
+            nonlocal started
+            if refused:
+                return  # the 413 was the answer
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        await self.app(scope, counted, guarded)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = problem_response(
+            PAYLOAD_TOO_LARGE,
+            f"the request body is larger than {self.max_bytes} bytes; a payment is well under 4 KiB",
+            instance=scope.get("path"),
+        )
+        await response(scope, receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    """The declared body length; None if there is none (a chunked body).
+
+    A value that is not a number counts as none: the body is then counted
+    as it arrives, so the cap holds either way.
+    """
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
