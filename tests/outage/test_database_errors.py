@@ -4,21 +4,27 @@ Every exception here is provoked for real: a connect to a port nobody listens
 on, a backend killed with pg_terminate_backend, a pool with no free
 connection, a syntax error, a duplicate key, a statement timeout. The one
 exception is CannotConnectNowError ("the database system is starting up"),
-which needs a server caught mid-start.
+which needs a server caught mid-start; the outage test
+(test_database_outage.py) meets it for real. Then the API, on a database that
+is not there: every path answers 503 problem+json, never 500.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import asyncpg
+import httpx
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from app.config import asyncpg_url
+from app.config import Settings, asyncpg_url
 from app.db.errors import database_unavailable, describe
+from app.main import create_app
 from app.processes import free_port
+from tests.support import payment_body
 
 
 def nobody_listens() -> str:
@@ -143,3 +149,50 @@ async def test_a_bad_statement_is_a_bug_not_an_outage(statement, server_url):
 
     assert exc is not None
     assert not database_unavailable(exc)
+
+
+@pytest.fixture
+async def api_without_database():
+    """The real app, started (lifespan) against a database that is not there, called in-process."""
+    app = create_app(Settings(database_url=nobody_listens()))
+    async with app.router.lifespan_context(app):
+        # raise_app_exceptions: an exception escaping the app fails the test
+        # instead of being turned into a 500 by the transport.
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=True)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+            yield client
+
+
+def assert_service_unavailable(response: httpx.Response) -> dict:
+    assert response.status_code == 503, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    assert int(response.headers["Retry-After"]) >= 1
+    problem = response.json()
+    assert problem["type"] == "/problems/service-unavailable" and problem["status"] == 503
+    return problem
+
+
+async def test_a_payment_whose_first_read_cannot_reach_the_database_is_a_503_from_the_replay_shortcut(
+    api_without_database,
+):
+    # A complete, valid POST: the replay shortcut makes its read before routing.
+    response = await api_without_database.post(
+        "/v1/payments", json=payment_body(),
+        headers={"Authorization": "Bearer some-api-key", "Idempotency-Key": str(uuid.uuid4())},
+    )
+
+    assert_service_unavailable(response)
+
+
+async def test_a_route_that_cannot_reach_the_database_is_a_503_not_a_500(api_without_database):
+    response = await api_without_database.get(
+        f"/v1/payments/{uuid.uuid4()}", headers={"Authorization": "Bearer some-api-key"}
+    )
+
+    assert_service_unavailable(response)
+
+
+async def test_healthz_names_the_database_as_the_dependency_that_is_down(api_without_database):
+    response = await api_without_database.get("/healthz")
+
+    assert assert_service_unavailable(response)["checks"] == {"database": "down"}
