@@ -26,7 +26,13 @@ documentation; asyncpg 0.32 and SQLAlchemy 2.1 raise them as follows:
   `DBAPIError` with `connection_invalidated=True`; if the close was noticed
   while the connection was idle, asyncpg's `InterfaceError("connection is
   closed")`, wrapped in SQLAlchemy's `InterfaceError`, also invalidated;
-- no connection free within the pool's timeout: `sqlalchemy.exc.TimeoutError`.
+- no connection free within the pool's timeout: `sqlalchemy.exc.TimeoutError`;
+- a pooled asyncpg connection used in the instant between the server's
+  farewell (a FATAL error sent to the idle connection) and the socket's close:
+  `InternalClientError("cannot switch to state 12; another operation (2) is
+  in progress")`. State 2 is the protocol consuming an error; on a connection
+  nobody else was using, only that unsolicited FATAL puts it there (seen on
+  the caller lookup's pool under load during `pg_ctl stop -m fast`).
 
 Note that `CannotConnectNowError` and `AdminShutdownError` are asyncpg
 `OperatorInterventionError`s (SQLSTATE class 57), not
@@ -87,6 +93,8 @@ def _says_unavailable(exc: BaseException) -> bool:
         return True  # QueuePool: no connection could be had in time
     if isinstance(exc, _SERVER_GONE):
         return True
+    if isinstance(exc, asyncpg.InternalClientError):
+        return "another operation (2) is in progress" in str(exc)  # see the module's docstring
     if isinstance(exc, asyncpg.InterfaceError):
         # asyncpg's client-side errors are mostly misuse (a bug); only these
         # two say the connection, not the statement, is the problem.

@@ -2,10 +2,11 @@
 
 Every exception here is provoked for real: a connect to a port nobody listens
 on, a backend killed with pg_terminate_backend, a pool with no free
-connection, a syntax error, a duplicate key, a statement timeout. The one
-exception is CannotConnectNowError ("the database system is starting up"),
-which needs a server caught mid-start; the outage test
-(test_database_outage.py) meets it for real. Then the API, on a database that
+connection, a syntax error, a duplicate key, a statement timeout. The
+exceptions are CannotConnectNowError ("the database system is starting up"),
+which needs a server caught mid-start, and a connection used in the instant
+the server says goodbye; both are built by hand here, and the outage test
+(test_database_outage.py) meets them for real. Then the API, on a database that
 is not there: every path answers 503 problem+json, never 500.
 """
 
@@ -123,6 +124,16 @@ async def test_no_free_connection_within_the_pools_timeout_is_unavailable(server
 
 async def test_the_server_refusing_new_connections_while_it_starts_or_stops_is_unavailable():
     assert database_unavailable(asyncpg.CannotConnectNowError("the database system is starting up"))
+
+
+async def test_a_pooled_connection_used_as_the_server_says_goodbye_is_unavailable_but_misuse_is_a_bug():
+    # Both messages as asyncpg's protocol words them; the first was met for
+    # real by the outage test (the lookup pool, during pg_ctl stop -m fast).
+    farewell = asyncpg.InternalClientError("cannot switch to state 12; another operation (2) is in progress")
+    misuse = asyncpg.InternalClientError("cannot switch to state 12; another operation (15) is in progress")
+
+    assert database_unavailable(farewell)
+    assert not database_unavailable(misuse)
 
 
 @pytest.mark.parametrize(
