@@ -76,10 +76,19 @@ def api(
 def _serve(factory: str, host: str, port: int, workers: int) -> None:
     import uvicorn
 
+    from app.config import Settings
+
     _database_url()
     # Each worker process calls the factory, so each builds its own engine
     # and HTTP client after the fork: nothing pooled is shared across processes.
-    uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False)
+    # On SIGTERM uvicorn stops accepting and gives requests in flight this long
+    # to finish; then it cancels them, and the app releases their leases
+    # before it exits (app/api/in_flight.py).
+    grace = Settings().shutdown_grace_seconds
+    uvicorn.run(
+        factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False,
+        timeout_graceful_shutdown=grace,
+    )
 
 
 @cli.command()
