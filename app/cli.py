@@ -115,12 +115,19 @@ LIMIT_CONCURRENCY = 1000
 def _serve(factory: str, host: str, port: int, workers: int) -> None:
     import uvicorn
 
+    from app.config import Settings
+
     _database_url()
     _settings()  # refuse to start here, with a clear message, not in each worker
     # Each worker process calls the factory, so each builds its own engine
     # and HTTP client after the fork: nothing pooled is shared across processes.
+    # On SIGTERM uvicorn stops accepting and gives requests in flight this long
+    # to finish; then it cancels them, and the app releases their leases
+    # before it exits (app/api/in_flight.py).
+    grace = Settings().shutdown_grace_seconds
     uvicorn.run(
         factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False,
+        timeout_graceful_shutdown=grace,
         # An import string, so each worker process imports it itself.
         http="app.api.http_protocol:BoundedHttpToolsProtocol",
         timeout_keep_alive=TIMEOUT_KEEP_ALIVE,

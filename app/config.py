@@ -77,6 +77,11 @@ class Settings(BaseSettings):
     transient_retries: int = Field(default=2, ge=0, le=5)
     # What a client is told to wait before retrying a request still in flight.
     retry_after_seconds: int = Field(default=1, ge=1)
+    # `payments api` on SIGTERM: stop accepting, give requests in flight this
+    # long to finish, then cancel them; a cancelled payment gives its lease
+    # back before the process exits (app/api/in_flight.py), so a retry on
+    # another replica resumes it at once instead of waiting out LEASE_SECONDS.
+    shutdown_grace_seconds: float = Field(default=10.0, ge=0)
     db_pool_size: int = Field(default=20, ge=1)
     # The caller lookup's own asyncpg pool (app/db/engine.py): one short read
     # per POST, so a few connections serve thousands of requests a second.

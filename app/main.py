@@ -10,6 +10,7 @@ from fastapi.telemetry import TelemetryConfig
 
 from app.api import errors
 from app.api.body_limit import BodyLimit
+from app.api.in_flight import InFlight, TrackInFlight
 from app.api.replay_shortcut import ReplayShortcut
 from app.api.routes import router
 from app.config import Settings
@@ -36,11 +37,19 @@ NO_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": Fal
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
 
+    in_flight = InFlight()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async with open_services(settings) as services:
             app.state.services = services
-            yield
+            try:
+                yield
+            finally:
+                # uvicorn has just cancelled the requests still running after
+                # SHUTDOWN_GRACE_SECONDS; let each give its lease back before
+                # the engine is disposed (app/api/in_flight.py).
+                await in_flight.settle()
 
     app = FastAPI(
         title="Exactly-once payments",
@@ -54,9 +63,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Retries of finished payments are answered here, before routing
     # (app/api/replay_shortcut.py); everything else passes through untouched.
     app.add_middleware(ReplayShortcut)
-    # Added last, so outermost: a body over the cap is refused (413) before
-    # the shortcut, FastAPI or authentication reads it (app/api/body_limit.py).
+    # Then the body cap, outside the shortcut: a body over the cap is refused
+    # (413) before the shortcut, FastAPI or authentication reads it
+    # (app/api/body_limit.py).
     app.add_middleware(BodyLimit)
+    # Added last, so outermost: every request's task is known to the
+    # lifespan's shutdown, which lets cancelled payments give their leases back.
+    app.add_middleware(TrackInFlight, in_flight=in_flight)
     _document_required_key(app)
     return app
 

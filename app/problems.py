@@ -94,6 +94,13 @@ INTERNAL_ERROR = _t(
     "Something failed on our side. If the request carried an Idempotency-Key, retrying it with "
     "the same key is safe: it will either resume or replay, never pay twice.",
 )
+SERVICE_UNAVAILABLE = _t(
+    "service-unavailable", 503, "The service cannot reach its database",
+    "The database did not answer, so this request could not be carried through; nothing was "
+    "done that a retry cannot finish, and nothing will be done twice. Retry after the number "
+    "of seconds in Retry-After with the same Idempotency-Key and body: it resumes from what "
+    "was recorded, or replays the final response.",
+)
 
 CATALOGUE: dict[str, ProblemType] = {
     t.slug: t
@@ -101,7 +108,7 @@ CATALOGUE: dict[str, ProblemType] = {
         IDEMPOTENCY_KEY_MISSING, IDEMPOTENCY_KEY_INVALID, INVALID_REQUEST, UNAUTHENTICATED,
         NOT_FOUND, METHOD_NOT_ALLOWED, REQUEST_TIMEOUT, PAYLOAD_TOO_LARGE, REQUEST_HEADER_TOO_LARGE,
         REQUEST_IN_PROGRESS, DUPLICATE_PAYMENT,
-        IDEMPOTENCY_KEY_REUSED, INTERNAL_ERROR,
+        IDEMPOTENCY_KEY_REUSED, INTERNAL_ERROR, SERVICE_UNAVAILABLE,
     )
 }
 

@@ -1,9 +1,22 @@
 """Every error leaves as `application/problem+json` (RFC 9457).
 
-Three sources are mapped here: our own `ProblemError`, FastAPI's request
-validation (a malformed body is a 400 that changes nothing), and Starlette's
-HTTP exceptions (unknown routes, wrong methods). Anything else is a bug: it is
-logged and answered with a generic 500 that reveals nothing internal.
+Four sources are mapped here: our own `ProblemError`, FastAPI's request
+validation (a malformed body is a 400 that changes nothing), Starlette's
+HTTP exceptions (unknown routes, wrong methods), and the database going away
+(a 503 `service-unavailable` with Retry-After: the client's retry with the
+same key is exactly right, so it must not look like a bug). Anything else is
+a bug: it is logged and answered with a generic 500 that reveals nothing
+internal.
+
+Where the database errors are caught: the handlers installed here for the
+driver's and SQLAlchemy's exception types run in Starlette's
+ExceptionMiddleware, which sits *inside* every middleware added with
+`app.add_middleware`. The replay shortcut is such a middleware and reads the
+database before routing, so an outage there never reaches these handlers; it
+answers with `unavailable_response` itself (app/api/replay_shortcut.py). The
+`Exception` handler, which Starlette runs outermost (ServerErrorMiddleware),
+consults the classifier too, so nothing that says "database unreachable"
+ends as a 500 wherever it was raised.
 """
 
 from __future__ import annotations
@@ -13,13 +26,16 @@ import logging
 import traceback
 from typing import Any
 
+import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from sqlalchemy import exc as sa
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.db.errors import database_unavailable, describe
 from app.problems import (
-    INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_ALLOWED, NOT_FOUND, ProblemError, ProblemType,
+    INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_ALLOWED, NOT_FOUND, SERVICE_UNAVAILABLE, ProblemError, ProblemType,
 )
 
 log = logging.getLogger(__name__)
@@ -71,6 +87,32 @@ def validation_problem(exc: RequestValidationError, instance: str) -> Response:
     )
 
 
+# What a request meets when the database is away: SQLAlchemy's errors, the
+# driver's own (the caller lookup runs on asyncpg directly), and the bare
+# socket errors that asyncpg raises, unwrapped, when it cannot connect.
+DATABASE_ERRORS: tuple[type[BaseException], ...] = (
+    sa.DBAPIError, sa.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError,
+)
+# Used when the service's settings cannot be read (the app's start-up failed).
+DEFAULT_RETRY_AFTER_SECONDS = 1
+
+
+def unavailable_response(request_path: str, exc: BaseException, retry_after: int) -> Response:
+    """503 service-unavailable: the database could not be reached; the client should retry, same key."""
+    log.warning("database unavailable on %s: %s", request_path, describe(exc))
+    return problem_response(
+        SERVICE_UNAVAILABLE,
+        "the service cannot reach its database; retry with the same Idempotency-Key",
+        instance=request_path,
+        headers={"Retry-After": str(retry_after)},
+    )
+
+
+def retry_after_seconds(app: FastAPI) -> int:
+    services = getattr(app.state, "services", None)
+    return services.settings.retry_after_seconds if services else DEFAULT_RETRY_AFTER_SECONDS
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ProblemError)
     async def _problem(request: Request, exc: ProblemError) -> Response:
@@ -96,8 +138,19 @@ def install(app: FastAPI) -> None:
             return Response(json.dumps(body), exc.status_code, media_type=PROBLEM_JSON, headers=exc.headers)
         return problem_response(problem, str(exc.detail), instance=request.url.path, headers=exc.headers)
 
+    async def _database(request: Request, exc: Exception) -> Response:
+        if database_unavailable(exc):
+            return unavailable_response(request.url.path, exc, retry_after_seconds(request.app))
+        return await _bug(request, exc)  # a bad statement, a refused PSP connection: a bug's 500
+
+    for exc_type in DATABASE_ERRORS:
+        app.add_exception_handler(exc_type, _database)
+
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> Response:
+        if database_unavailable(exc):
+            # Raised outside the routes (in a middleware): still an outage, not a bug.
+            return unavailable_response(request.url.path, exc, retry_after_seconds(request.app))
         log.error("unhandled error on %s %s\n%s", request.method, request.url.path, loggable(exc))
         return problem_response(INTERNAL_ERROR, "an unexpected error occurred", instance=request.url.path)
 

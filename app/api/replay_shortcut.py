@@ -28,6 +28,12 @@ by the same model as FastAPI does (so it yields the same fingerprint), and
 422) is never answered here, so the order of those refusals is the full
 path's. The shortcut writes nothing. When it hands a request on, it leaves
 its read behind (`deps.hand_over`), so a new payment still costs one read.
+
+One answer is its own: when its read cannot reach the database, it answers
+503 `service-unavailable` here. It runs outside Starlette's
+ExceptionMiddleware (every `add_middleware` does), so an exception it let
+through would meet only the outermost handler and, before this, left as a
+500 `internal-error`: a bug's answer to an outage.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from pydantic import ValidationError
 
 from app.api.body_limit import MAX_BODY_BYTES
 from app.api.deps import bearer_api_key, hand_over, look_up
+from app.api.errors import retry_after_seconds, unavailable_response
+from app.db.errors import database_unavailable
 from app.api.routes import final_response
 from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
 from app.payments.models import PaymentRequest
@@ -76,7 +84,14 @@ class ReplayShortcut:
         api_key, key, length = headers
         messages = await _read_body(receive, length)
         body = b"".join(m.get("body", b"") for m in messages)
-        replay = await _stored_replay(scope, api_key, key, body) if len(body) == length else None
+        try:
+            replay = await _stored_replay(scope, api_key, key, body) if len(body) == length else None
+        except Exception as exc:
+            if not database_unavailable(exc):
+                raise
+            retry_after = retry_after_seconds(scope["app"])
+            await unavailable_response(PATH, exc, retry_after)(scope, receive, send)
+            return
         if replay is not None:
             await final_response(replay, replayed=True)(scope, receive, send)
             return

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import uuid
 from typing import Any
 
 from fastapi import APIRouter, Response
 
 from app.api.deps import Caller, ClientId, ServicesDep
+from app.api.errors import problem_response
 from app.api.schemas import KeyView, ProblemDoc
 from app.db.engine import ping
+from app.db.errors import describe
 from app.db.transaction import read
 from app.idempotency import store as keys
 from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
@@ -17,8 +22,9 @@ from app.payments import store as payments
 from app.payments.models import PaymentRequest, PaymentView
 from app.payments.runner import Finished
 from app.payments.service import submit_payment
-from app.problems import CATALOGUE, NOT_FOUND, ProblemError
+from app.problems import CATALOGUE, NOT_FOUND, SERVICE_UNAVAILABLE, ProblemError
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 PROBLEM = "application/problem+json"
@@ -129,7 +135,33 @@ async def get_problem(slug: str) -> ProblemDoc:
     return ProblemDoc(type=problem.uri, title=problem.title, status=problem.status, description=problem.description)
 
 
-@router.get("/healthz", summary="Liveness and database reachability", tags=["meta"])
-async def healthz(services: ServicesDep) -> dict[str, str]:
-    await read(services.engine, ping)
-    return {"status": "ok"}
+# A health check must answer quickly even when the database does not: a
+# load balancer (or `payments run`, or the test harness) polling it should
+# learn "down" in a couple of seconds, not after a connect or pool timeout.
+HEALTH_TIMEOUT_SECONDS = 2.0
+
+
+@router.get(
+    "/healthz",
+    summary="Liveness and database reachability",
+    tags=["meta"],
+    responses={503: _problem_doc("service-unavailable")},
+)
+async def healthz(services: ServicesDep) -> Response:
+    """200 when the database answers one `SELECT 1`; 503 naming what is down otherwise.
+
+    Only the database is checked: the PSP and the rail are other people's
+    systems, and a payment whose call to them fails is already answered 202
+    and resumed later, so this process is still healthy when they are not.
+    """
+    try:
+        async with asyncio.timeout(HEALTH_TIMEOUT_SECONDS):
+            await read(services.engine, ping)
+    except Exception as exc:  # any failure to get an answer means "down" to whoever polls this
+        log.warning("health check: database down: %s", describe(exc))
+        return problem_response(
+            SERVICE_UNAVAILABLE, "the database did not answer", instance="/healthz",
+            headers={"Retry-After": str(services.settings.retry_after_seconds)},
+            checks={"database": "down"},
+        )
+    return Response(json.dumps({"status": "ok", "database": "ok"}), media_type="application/json")

@@ -4,6 +4,10 @@ Two loops share one set of services: the recovery sweep (every second or so)
 and the reconciliation schedule (which, every `reconcile_every_seconds`, tries
 to claim each closed day of the booking horizon up to yesterday; the durable
 tick makes that once per window across all workers). SIGTERM or SIGINT stops both; in-flight work releases its leases.
+
+Nothing else stops them: a database that is down (at start-up too: the pools
+connect on first use) or restarting makes each loop log one line and back off,
+never exit (app/workers/recovery.py::recovery_loop, reconciliation.py::reconcile_loop).
 """
 
 from __future__ import annotations

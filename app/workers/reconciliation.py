@@ -40,6 +40,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from app.db.errors import database_unavailable, describe
 from app.db.transaction import atomic, read
 from app.idempotency.store import LeaseLost
 from app.payments import crash_points, phases
@@ -236,6 +237,12 @@ async def reconcile_loop(services: Services, stop: asyncio.Event) -> None:
                 await run_window(services, last - back * ONE_DAY)
             except (StatementUnavailable, LeaseLost) as exc:
                 log.warning("reconciliation did not complete: %s", exc)
-            except Exception:
+            except Exception as exc:
+                if database_unavailable(exc):
+                    # One line, no SQL; and the other windows would fail the
+                    # same way, so this round ends here and the next one, a
+                    # full `reconcile_every_seconds` later, retries them all.
+                    log.warning("reconciliation paused, the database is unavailable (%s)", describe(exc))
+                    break
                 log.exception("reconciliation failed; the window will be retried")
         await pause(stop, services.settings.reconcile_every_seconds)

@@ -7,6 +7,11 @@ unknown outcome), takes each over with the same conditional UPDATE a retry
 uses, and resumes it through the same runner. Whichever gets there first, the
 outcome is identical; the other finds the row finished, or owned, and leaves it.
 
+A sweep that fails (the database is restarting, a connection was cut) is
+logged in one line and tried again after a backoff that grows while the
+failures last (capped at 30 s) and resets after the next good sweep: the
+worker outlives any outage, including one it is started into.
+
 Several workers and API replicas may run at once: the takeover's UPDATE lets
 exactly one of them own an operation, and the fencing check in every phase
 commit stops an owner that stalled past its lease. Nothing here locks rows
@@ -19,13 +24,14 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from app.db.errors import database_unavailable, describe
 from app.db.transaction import atomic, read
 from app.idempotency import store as keys
 from app.idempotency.store import LeaseLost
 from app.payments import phases
 from app.payments.runner import Finished, drive, heal
 from app.services import Services
-from app.workers import pause
+from app.workers import outage_backoff, pause
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +61,13 @@ async def recover(services: Services, client_id: int, key: str) -> str:
         outcome = await drive(services, op)
     except LeaseLost:
         return "skipped"
-    except Exception:
-        log.exception("recovering %r failed; it stays resumable", key)
+    except Exception as exc:
+        if database_unavailable(exc):
+            # One line: SQLAlchemy's text would carry the statement's parameters.
+            log.warning("recovering %r was cut short, the database is unavailable (%s); it stays resumable",
+                        key, describe(exc))
+        else:
+            log.exception("recovering %r failed; it stays resumable", key)
         return "errors"
     return "finished" if isinstance(outcome, Finished) else "pending"
 
@@ -109,6 +120,7 @@ async def recheck_parked(services: Services) -> int:
 async def recovery_loop(services: Services, stop: asyncio.Event) -> None:
     """Sweep until `stop` is set; in-flight recoveries are cancelled, which releases their leases."""
     settings = services.settings
+    failures = 0  # sweeps failed in a row
     while not stop.is_set():
         sweep = asyncio.create_task(sweep_once(services))
         stopping = asyncio.create_task(stop.wait())
@@ -120,7 +132,20 @@ async def recovery_loop(services: Services, stop: asyncio.Event) -> None:
             await asyncio.gather(sweep, return_exceptions=True)
             return
         stopping.cancel()
-        counts = sweep.result()
+        try:
+            counts = sweep.result()
+        except Exception as exc:
+            # Before this, one failed read ended the loop, and with it the
+            # worker process: a database restart stopped all recovery.
+            failures += 1
+            wait = outage_backoff(failures, settings.worker_poll_seconds)
+            if database_unavailable(exc):
+                log.warning("sweep failed, the database is unavailable (%s); next try in %.1f s", describe(exc), wait)
+            else:
+                log.exception("sweep failed; next try in %.1f s", wait)
+            await pause(stop, wait)
+            continue
+        failures = 0
         if counts.found or counts.healed:
             log.info("sweep: %s", counts)
         if counts.found < settings.worker_concurrency * 4:

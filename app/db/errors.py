@@ -1,0 +1,117 @@
+"""Is this exception the database going away, or a bug in what we asked it?
+
+Where it sits: beside the engine, consulted wherever an exception from the
+database ends a unit of work: the API's exception handlers and the replay
+shortcut (a 503 `service-unavailable`, never a 500), `/healthz`, and the
+worker's loops (back off and carry on, never exit).
+
+The two answers lead to opposite actions. An unreachable database is nobody's
+fault and goes away by itself: the caller should wait and try again, and
+nothing is wrong with the request. A syntax error or a violated constraint
+will fail the same way every time: it is a bug, and must stay loud (a 500,
+a logged traceback).
+
+The types below were found by experiment against a real PostgreSQL (stopped
+with `pg_ctl stop -m fast`, restarted, its backends terminated), not from
+documentation; asyncpg 0.32 and SQLAlchemy 2.1 raise them as follows:
+
+- connecting while the server is down: a bare `ConnectionRefusedError` (also
+  `ConnectionResetError`, or `ConnectionError("unexpected connection_lost()
+  call")` while it is shutting down), raised by asyncpg and *not* wrapped by
+  SQLAlchemy;
+- connecting while it is shutting down or starting up:
+  `CannotConnectNowError`, wrapped in SQLAlchemy's `DBAPIError`;
+- a query on a connection the server closed (shutdown, pg_terminate_backend):
+  `ConnectionDoesNotExistError` caused by `AdminShutdownError`, wrapped in a
+  `DBAPIError` with `connection_invalidated=True`; if the close was noticed
+  while the connection was idle, asyncpg's `InterfaceError("connection is
+  closed")`, wrapped in SQLAlchemy's `InterfaceError`, also invalidated;
+- no connection free within the pool's timeout: `sqlalchemy.exc.TimeoutError`;
+- a pooled asyncpg connection used in the instant between the server's
+  farewell (a FATAL error sent to the idle connection) and the socket's close:
+  `InternalClientError("cannot switch to state 12; another operation (2) is
+  in progress")`. State 2 is the protocol consuming an error; on a connection
+  nobody else was using, only that unsolicited FATAL puts it there (seen on
+  the caller lookup's pool under load during `pg_ctl stop -m fast`).
+
+Note that `CannotConnectNowError` and `AdminShutdownError` are asyncpg
+`OperatorInterventionError`s (SQLSTATE class 57), not
+`PostgresConnectionError`s; the class also holds `QueryCanceledError`
+(a statement timeout), which is not an outage, so they are named one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import TracebackType
+
+import asyncpg
+from sqlalchemy import exc as sa
+
+# Errors the server sends when it will not, or can no longer, serve this
+# connection: all mean "try again later", never "your statement is wrong".
+_SERVER_GONE = (
+    asyncpg.PostgresConnectionError,  # ConnectionDoesNotExistError, ConnectionFailureError, ...
+    asyncpg.AdminShutdownError,  # pg_ctl stop -m fast, pg_terminate_backend
+    asyncpg.CrashShutdownError,  # another backend crashed; the server is restarting
+    asyncpg.CannotConnectNowError,  # "the database system is starting up / shutting down"
+    asyncpg.TooManyConnectionsError,  # refused at connect: every slot taken (often just after a restart)
+)
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """True if `exc` (or what caused it) says the database could not be reached or the connection was lost."""
+    return any(_says_unavailable(e) for e in _chain(exc))
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a log: the driver's own error, never SQLAlchemy's text.
+
+    SQLAlchemy's message carries the statement and its parameters (`[SQL: ...]`
+    `[parameters: ...]`): customer data has no place in an outage's log lines.
+    The innermost error of the chain is the driver's or the socket's, whose
+    message names only what failed (and the host and port).
+    """
+    innermost = list(_chain(exc))[-1]
+    message = str(innermost).splitlines()[0][:200] if str(innermost) else ""
+    return f"{type(innermost).__name__}: {message}" if message else type(innermost).__name__
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _says_unavailable(exc: BaseException) -> bool:
+    if isinstance(exc, sa.DBAPIError) and exc.connection_invalidated:
+        return True  # SQLAlchemy's own verdict: the dialect saw a disconnect
+    if isinstance(exc, sa.TimeoutError):
+        return True  # QueuePool: no connection could be had in time
+    if isinstance(exc, _SERVER_GONE):
+        return True
+    if isinstance(exc, asyncpg.InternalClientError):
+        return "another operation (2) is in progress" in str(exc)  # see the module's docstring
+    if isinstance(exc, asyncpg.InterfaceError):
+        # asyncpg's client-side errors are mostly misuse (a bug); only these
+        # two say the connection, not the statement, is the problem.
+        text = str(exc)
+        return "connection is closed" in text or "connection was closed" in text
+    if isinstance(exc, OSError):  # ConnectionRefusedError, ConnectionResetError, TimeoutError, ...
+        # A socket error is the database's only if the driver raised it while
+        # talking to the server: a refused connect to the PSP or a missing
+        # file is not an outage of ours.
+        return _raised_in_driver(exc.__traceback__)
+    return False
+
+
+def _raised_in_driver(tb: TracebackType | None) -> bool:
+    while tb is not None:
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        if module == "asyncpg" or module.startswith("asyncpg."):
+            return True
+        tb = tb.tb_next
+    return False
