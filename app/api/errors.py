@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import traceback
 from typing import Any
 
 import asyncpg
@@ -33,7 +32,7 @@ from fastapi.responses import Response
 from sqlalchemy import exc as sa
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.db.errors import database_unavailable, describe
+from app.db.errors import database_unavailable, describe, loggable
 from app.problems import (
     INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_ALLOWED, NOT_FOUND, SERVICE_UNAVAILABLE, ProblemError, ProblemType,
 )
@@ -153,37 +152,3 @@ def install(app: FastAPI) -> None:
             return unavailable_response(request.url.path, exc, retry_after_seconds(request.app))
         log.error("unhandled error on %s %s\n%s", request.method, request.url.path, loggable(exc))
         return problem_response(INTERNAL_ERROR, "an unexpected error occurred", instance=request.url.path)
-
-
-def loggable(exc: BaseException) -> str:
-    """The exception's traceback, every chained exception included, without PostgreSQL's DETAILs.
-
-    The statement's parameters are kept out of SQLAlchemy's errors by
-    `hide_parameters` (app/db/engine.py), but PostgreSQL itself quotes the
-    row in the DETAIL of a constraint violation ("Key (api_key_hash)=(...)
-    already exists", "Failing row contains (...)"), and asyncpg appends that
-    DETAIL to the error's text, so it would be logged with the traceback.
-    Each DETAIL is found on the exception that carries it and cut out of the
-    text, whatever it contains. (A value PostgreSQL quotes in the message
-    itself, such as `invalid input syntax for type integer: "..."`, is not:
-    only our own code passes values of the wrong type, and that is a bug to
-    fix where it happens.)
-    """
-    text = "".join(traceback.format_exception(exc))
-    for detail in _details(exc):
-        text = text.replace(detail, "(withheld: it may quote the row's values)")
-    return text
-
-
-def _details(exc: BaseException | None, seen: set[int] | None = None) -> set[str]:
-    """The `detail` of every exception chained to `exc` (asyncpg's PostgresError has one)."""
-    seen = set() if seen is None else seen
-    if exc is None or id(exc) in seen:
-        return set()
-    seen.add(id(exc))
-    detail = getattr(exc, "detail", None)
-    found = {detail} if isinstance(detail, str) and detail else set()
-    for linked in (exc.__cause__, exc.__context__, getattr(exc, "orig", None)):
-        if isinstance(linked, BaseException):
-            found |= _details(linked, seen)
-    return found

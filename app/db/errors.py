@@ -42,6 +42,7 @@ Note that `CannotConnectNowError` and `AdminShutdownError` are asyncpg
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterator
 from types import TracebackType
 
@@ -115,3 +116,37 @@ def _raised_in_driver(tb: TracebackType | None) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+def loggable(exc: BaseException) -> str:
+    """The exception's traceback, every chained exception included, without PostgreSQL's DETAILs.
+
+    The statement's parameters are kept out of SQLAlchemy's errors by
+    `hide_parameters` (app/db/engine.py), but PostgreSQL itself quotes the
+    row in the DETAIL of a constraint violation ("Key (api_key_hash)=(...)
+    already exists", "Failing row contains (...)"), and asyncpg appends that
+    DETAIL to the error's text, so it would be logged with the traceback.
+    Each DETAIL is found on the exception that carries it and cut out of the
+    text, whatever it contains. (A value PostgreSQL quotes in the message
+    itself, such as `invalid input syntax for type integer: "..."`, is not:
+    only our own code passes values of the wrong type, and that is a bug to
+    fix where it happens.)
+    """
+    text = "".join(traceback.format_exception(exc))
+    for detail in _details(exc):
+        text = text.replace(detail, "(withheld: it may quote the row's values)")
+    return text
+
+
+def _details(exc: BaseException | None, seen: set[int] | None = None) -> set[str]:
+    """The `detail` of every exception chained to `exc` (asyncpg's PostgresError has one)."""
+    seen = set() if seen is None else seen
+    if exc is None or id(exc) in seen:
+        return set()
+    seen.add(id(exc))
+    detail = getattr(exc, "detail", None)
+    found = {detail} if isinstance(detail, str) and detail else set()
+    for linked in (exc.__cause__, exc.__context__, getattr(exc, "orig", None)):
+        if isinstance(linked, BaseException):
+            found |= _details(linked, seen)
+    return found

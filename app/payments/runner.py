@@ -34,6 +34,7 @@ import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from app.db.errors import describe, loggable
 from app.db.transaction import atomic, one_statement, read
 from app.idempotency import store as keys
 from app.idempotency.store import LeaseLost
@@ -112,7 +113,7 @@ async def drive(services: Services, op: Operation) -> Finished | Pending:
             # Whatever the call did, the recovery point still says it may
             # have been made, so the next attempt probes: handled exactly as
             # an unknown outcome.
-            log.exception("driving %r at %s was interrupted", op.lease.key, op.recovery_point)
+            log.error("driving %r at %s was interrupted\n%s", op.lease.key, op.recovery_point, loggable(exc))
             result = Unknown(f"interrupted by {type(exc).__name__}")
         except BaseException:
             await asyncio.shield(_release_now(services, op))
@@ -167,8 +168,8 @@ async def _release_now(services: Services, op: Operation) -> None:
         await one_statement(services.engine, phases.release, op, "interrupted: stopping", 0.0, event="stopping, released")
     except LeaseLost:
         pass  # finished or taken over meanwhile: nothing of ours to release
-    except Exception:
-        log.exception("could not release %r; its lease will simply expire", op.lease.key)
+    except Exception as exc:
+        log.warning("could not release %r (%s); its lease will simply expire", op.lease.key, describe(exc))
 
 
 def backoff_seconds(attempt: int, base: float, cap: float) -> float:

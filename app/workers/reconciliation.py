@@ -40,7 +40,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.errors import database_unavailable, describe
+from app.db.errors import database_unavailable, describe, loggable
 from app.db.transaction import atomic, read
 from app.idempotency.store import LeaseLost
 from app.payments import crash_points, phases
@@ -244,5 +244,5 @@ async def reconcile_loop(services: Services, stop: asyncio.Event) -> None:
                     # full `reconcile_every_seconds` later, retries them all.
                     log.warning("reconciliation paused, the database is unavailable (%s)", describe(exc))
                     break
-                log.exception("reconciliation failed; the window will be retried")
+                log.error("reconciliation failed; the window will be retried\n%s", loggable(exc))
         await pause(stop, services.settings.reconcile_every_seconds)

@@ -24,7 +24,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from app.db.errors import database_unavailable, describe
+from app.db.errors import database_unavailable, describe, loggable
 from app.db.transaction import atomic, read
 from app.idempotency import store as keys
 from app.idempotency.store import LeaseLost
@@ -67,7 +67,7 @@ async def recover(services: Services, client_id: int, key: str) -> str:
             log.warning("recovering %r was cut short, the database is unavailable (%s); it stays resumable",
                         key, describe(exc))
         else:
-            log.exception("recovering %r failed; it stays resumable", key)
+            log.error("recovering %r failed; it stays resumable\n%s", key, loggable(exc))
         return "errors"
     return "finished" if isinstance(outcome, Finished) else "pending"
 
@@ -110,8 +110,8 @@ async def recheck_parked(services: Services) -> int:
                 return await heal(services, client_id, key) is not None
             except LeaseLost:
                 return False
-            except Exception:
-                log.exception("re-probing parked %r failed; it stays parked", key)
+            except Exception as exc:
+                log.error("re-probing parked %r failed; it stays parked\n%s", key, loggable(exc))
                 return False
 
     return sum(await asyncio.gather(*(one(client_id, key) for client_id, key in due)))
@@ -142,7 +142,7 @@ async def recovery_loop(services: Services, stop: asyncio.Event) -> None:
             if database_unavailable(exc):
                 log.warning("sweep failed, the database is unavailable (%s); next try in %.1f s", describe(exc), wait)
             else:
-                log.exception("sweep failed; next try in %.1f s", wait)
+                log.error("sweep failed; next try in %.1f s\n%s", wait, loggable(exc))
             await pause(stop, wait)
             continue
         failures = 0

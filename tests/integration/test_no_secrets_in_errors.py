@@ -16,7 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from app import clients
-from app.api.errors import loggable
+from app.db.errors import loggable
 from app.config import Settings
 from app.db.engine import build_engine, open_lookup_pool
 from app.db.transaction import atomic
