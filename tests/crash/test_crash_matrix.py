@@ -22,7 +22,8 @@ import pytest
 
 from app.payments.crash_points import POINTS
 from tests.support import (
-    charges, claimed, headers, key_row, ledger, payment_body, payments_for, refunds, transfers, unbalanced_payments, until,
+    charges, claimed, headers, key_row, ledger, payment_body, payments_for, refunds, requests_at, transfers,
+    unbalanced_payments, until,
 )
 
 pytestmark = pytest.mark.usefixtures("stack")
@@ -181,6 +182,10 @@ async def test_of_two_concurrent_retries_after_a_crash_exactly_one_takes_over(ht
 async def test_a_stalled_owner_cannot_commit_after_its_operation_was_taken_over(http, stack, db, acme, processes):
     key, body = str(uuid.uuid4()), payment_body()
     stalled = processes.api("stalled", LEASE_SECONDS="1")
+    # The new owner will wait at the rail for 5 s (its rail timeout is longer),
+    # so the stalled owner wakes while the operation is still `started`, under
+    # the new owner's lease: only the lease token can stop its commit then.
+    new_owner = processes.api("new-owner", RAIL_TIMEOUT_SECONDS="10")
     await set_faults(http, stack.psp, {"action": "delay", "reference": body["reference"], "seconds": 1})
     first = asyncio.create_task(http.post(f"{stalled.url}/v1/payments", json=body, headers=headers(acme, key)))
     await claimed(db, acme.id, key)
@@ -188,19 +193,83 @@ async def test_a_stalled_owner_cannot_commit_after_its_operation_was_taken_over(
     os.kill(stalled.popen.pid, signal.SIGSTOP)  # a GC pause, a frozen VM, a swapped-out process
     try:
         await lease_expired(db, acme.id, key)
-        retry = await http.post(f"{stack.api}/v1/payments", json=body, headers=headers(acme, key))
-        assert retry.status_code == 201, retry.text
+        await set_faults(http, stack.rail, {"action": "delay", "reference": body["reference"], "seconds": 5})
+        retry = asyncio.create_task(
+            http.post(f"{new_owner.url}/v1/payments", json=body, headers=headers(acme, key))
+        )
+
+        async def new_owner_at_the_rail() -> bool:
+            row = await key_row(db, acme.id, key)
+            return row["recovery_point"] == "EXT2_SENT" and row["attempts"] == 2
+
+        await until(new_owner_at_the_rail, "the new owner to record the charge and call the rail")
+        held = await key_row(db, acme.id, key)
+        [payment] = await payments_for(db, body["reference"])
+        assert len(await ledger(db, payment["id"])) == 3, "the new owner's charge_captured posting"
     finally:
         os.kill(stalled.popen.pid, signal.SIGCONT)
 
     late = await first
-    # It woke up holding a stale lease: its phase commit matched no row and
-    # rolled back, so it can only say someone else owns (owned) the request.
+    # It woke up holding a stale lease and tried to record the charge with
+    # one statement: its fence matched no row, so nothing was written, and
+    # it can only say someone else owns the request.
     assert late.status_code == 409, late.text
+    after = await key_row(db, acme.id, key)
+    assert after["state"] == "started", "the stale commit was tried while the new owner still held the operation"
+    assert after == held, "no timeline entry, no recovery point, no lease extended by the stale owner"
+    assert len(await ledger(db, payment["id"])) == 3, "no second charge_captured posting"
+    assert await transfers(db, body["reference"]) == [], "the stale owner never reached the rail"
+
+    retry = await retry
+    assert retry.status_code == 201, retry.text
     await assert_exactly_once(http, stack, db, acme, key, body, rejected=False)
     row = await key_row(db, acme.id, key)
     assert row["response_body"] == retry.text
-    assert [e["event"] for e in json.loads(row["timeline"])].count("taken over") == 1
+    assert [e["event"] for e in json.loads(row["timeline"])] == [
+        "claimed", "taken over", "charge succeeded", "transfer accepted",
+    ]
+
+
+# What each external system was asked, in order, after a crash at the point
+# and one client retry: the dead process's requests, then the resumer's. A
+# resumer probes first (GET), sends (POST, with the same derived key) only
+# what the probe did not find, and never touches a step already recorded.
+ASKED = {
+    "after-commit-EXT1_SENT": {"charge": ["GET", "POST"], "transfer": ["POST"], "refund": []},
+    "after-call-EXT1": {"charge": ["POST", "GET"], "transfer": ["POST"], "refund": []},
+    "after-commit-EXT2_SENT": {"charge": ["POST"], "transfer": ["GET", "POST"], "refund": []},
+    "after-call-EXT2": {"charge": ["POST"], "transfer": ["POST", "GET"], "refund": []},
+    "after-commit-EXT3_SENT": {"charge": ["POST"], "transfer": ["POST"], "refund": ["GET", "POST"]},
+    "after-call-EXT3": {"charge": ["POST"], "transfer": ["POST"], "refund": ["POST", "GET"]},
+}
+
+
+@pytest.mark.parametrize("point", list(ASKED))
+async def test_a_resumer_probes_before_it_sends_and_never_resends_what_the_probe_found(
+    point, http, stack, db, acme, processes
+):
+    key, body, rejected = await crashed_payment(http, stack, processes, acme, point)
+    await lease_expired(db, acme.id, key)
+
+    retry = await http.post(f"{stack.api}/v1/payments", json=body, headers=headers(acme, key))
+
+    assert retry.status_code == 201, retry.text
+    [payment] = await payments_for(db, body["reference"])
+    e2e = payment["end_to_end_reference"]
+    asked = {
+        "charge": await requests_at(db, "psp", idempotency_key=payment["psp_charge_key"]),
+        "transfer": await requests_at(db, "rail", end_to_end_reference=e2e),
+        "refund": await requests_at(db, "psp", idempotency_key=payment["psp_refund_key"] or "none"),
+    }
+    paths = {
+        "charge": {"GET": "/v1/charges", "POST": "/v1/charges"},
+        "transfer": {"GET": f"/v1/transfers/{e2e}", "POST": "/v1/transfers"},
+        "refund": {"GET": "/v1/refunds", "POST": "/v1/refunds"},
+    }
+    assert asked == {
+        call: [(method, paths[call][method]) for method in methods] for call, methods in ASKED[point].items()
+    }
+    await assert_exactly_once(http, stack, db, acme, key, body, rejected=rejected)
 
 
 async def test_a_worker_stopped_with_sigterm_releases_the_operation_it_holds(http, stack, db, acme, processes):
