@@ -180,45 +180,55 @@ async def test_of_two_concurrent_retries_after_a_crash_exactly_one_takes_over(ht
 
 
 async def test_a_stalled_owner_cannot_commit_after_its_operation_was_taken_over(http, stack, db, acme, processes):
+    # The stale commit must be tried while the operation is still `started`
+    # under the new owner, where only the lease token can refuse it. So the
+    # owner stalls at the rail (its commit there is the one that finishes the
+    # payment), and the new owner is held at the rail longer still. (Stalled
+    # at the charge instead, its statement would also be refused by the
+    # ledger's unique (payment, posting, account): a second line of defence,
+    # which would hide whether the fence works.) Both have rail timeouts
+    # longer than these delays, so the stalled owner wakes to an answer.
     key, body = str(uuid.uuid4()), payment_body()
-    stalled = processes.api("stalled", LEASE_SECONDS="1")
-    # The new owner will wait at the rail for 5 s (its rail timeout is longer),
-    # so the stalled owner wakes while the operation is still `started`, under
-    # the new owner's lease: only the lease token can stop its commit then.
-    new_owner = processes.api("new-owner", RAIL_TIMEOUT_SECONDS="10")
-    await set_faults(http, stack.psp, {"action": "delay", "reference": body["reference"], "seconds": 1})
+    stalled = processes.api("stalled", LEASE_SECONDS="1", RAIL_TIMEOUT_SECONDS="15")
+    new_owner = processes.api("new-owner", RAIL_TIMEOUT_SECONDS="15")
+    await set_faults(
+        http, stack.rail,
+        {"action": "delay", "reference": body["reference"], "seconds": 4},  # the stalled owner's transfer
+        {"action": "delay", "reference": body["reference"], "seconds": 7},  # the new owner's
+    )
     first = asyncio.create_task(http.post(f"{stalled.url}/v1/payments", json=body, headers=headers(acme, key)))
-    await claimed(db, acme.id, key)
 
+    async def transfers_asked(n: int) -> bool:
+        return await requests_at(db, "rail", reference=body["reference"]) == [("POST", "/v1/transfers")] * n
+
+    await until(lambda: transfers_asked(1), "the owner to send the transfer")
     os.kill(stalled.popen.pid, signal.SIGSTOP)  # a GC pause, a frozen VM, a swapped-out process
     try:
         await lease_expired(db, acme.id, key)
-        await set_faults(http, stack.rail, {"action": "delay", "reference": body["reference"], "seconds": 5})
         retry = asyncio.create_task(
             http.post(f"{new_owner.url}/v1/payments", json=body, headers=headers(acme, key))
         )
-
-        async def new_owner_at_the_rail() -> bool:
-            row = await key_row(db, acme.id, key)
-            return row["recovery_point"] == "EXT2_SENT" and row["attempts"] == 2
-
-        await until(new_owner_at_the_rail, "the new owner to record the charge and call the rail")
+        # The new owner took over at EXT2_SENT, probed (nothing yet) and sent
+        # the transfer again with K2; the stalled owner's transfer has landed
+        # meanwhile, so it will wake to the rail's answer.
+        await until(lambda: transfers_asked(2), "the new owner to send the transfer")
+        await until(lambda: transfers(db, body["reference"]), "the stalled owner's transfer to land")
         held = await key_row(db, acme.id, key)
-        [payment] = await payments_for(db, body["reference"])
-        assert len(await ledger(db, payment["id"])) == 3, "the new owner's charge_captured posting"
+        assert held["state"] == "started" and held["recovery_point"] == "EXT2_SENT" and held["attempts"] == 2
     finally:
         os.kill(stalled.popen.pid, signal.SIGCONT)
 
     late = await first
-    # It woke up holding a stale lease and tried to record the charge with
+    # It woke up holding a stale lease and tried to finish the payment with
     # one statement: its fence matched no row, so nothing was written, and
     # it can only say someone else owns the request.
     assert late.status_code == 409, late.text
     after = await key_row(db, acme.id, key)
     assert after["state"] == "started", "the stale commit was tried while the new owner still held the operation"
-    assert after == held, "no timeline entry, no recovery point, no lease extended by the stale owner"
-    assert len(await ledger(db, payment["id"])) == 3, "no second charge_captured posting"
-    assert await transfers(db, body["reference"]) == [], "the stale owner never reached the rail"
+    assert after == held, "no response, no timeline entry, no recovery point written by the stale owner"
+    [payment] = await payments_for(db, body["reference"])
+    assert payment["status"] == "processing"
+    assert [entry[0] for entry in await ledger(db, payment["id"])] == ["charge_captured"] * 3, "no payout_sent"
 
     retry = await retry
     assert retry.status_code == 201, retry.text
@@ -226,7 +236,7 @@ async def test_a_stalled_owner_cannot_commit_after_its_operation_was_taken_over(
     row = await key_row(db, acme.id, key)
     assert row["response_body"] == retry.text
     assert [e["event"] for e in json.loads(row["timeline"])] == [
-        "claimed", "taken over", "charge succeeded", "transfer accepted",
+        "claimed", "charge succeeded", "taken over", "transfer accepted",
     ]
 
 
