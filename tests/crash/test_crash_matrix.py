@@ -22,7 +22,7 @@ import pytest
 
 from app.payments.crash_points import POINTS
 from tests.support import (
-    charges, claimed, headers, key_row, ledger, payment_body, payments_for, refunds, requests_at, transfers,
+    charges, headers, key_row, ledger, payment_body, payments_for, refunds, requests_at, transfers,
     unbalanced_payments, until,
 )
 
