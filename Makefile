@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test bench lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash
+.PHONY: install run test mutants bench lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash
 
 install: $(STAMP)
 
@@ -26,6 +26,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/pytest
+
+# Deliberate bugs, one safety rule each, that the tests must catch
+# (docs/crash-matrix.md#break-it-yourself); a few minutes.
+mutants: $(STAMP)
+	$(BIN)/python -m tests.mutants
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

@@ -10,7 +10,10 @@ matter to a caller trying to move money exactly once:
   ignores keys, as real legacy rails do);
 * records live in PostgreSQL, so a restarted fake still knows every key;
 * a fault plan, set over HTTP, makes the next matching calls fail the way real
-  networks and providers fail (see docs/fake-rails.md).
+  networks and providers fail (see docs/fake-rails.md);
+* every request to a business endpoint (`/v1/...`) is logged, in PostgreSQL
+  too, so a test can assert what a caller asked and in which order ("probed,
+  then sent nothing"): `GET /_admin/requests`.
 
 Errors are RFC 9457 `application/problem+json` documents.
 """
@@ -31,7 +34,7 @@ from typing import Any, Literal
 import asyncpg
 import typer
 import uvicorn
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -413,18 +416,111 @@ async def idempotent_post(
     return JSONResponse(outcome.body, status_code=outcome.status_code, headers=headers)
 
 
+# --- Request log --------------------------------------------------------------
+
+# One row per request to a business endpoint, written as it arrives (before
+# any fault delays or refuses it), so the log shows what a caller asked, in
+# order, whatever it was answered. `seq` orders it; `at` is the database's
+# clock_timestamp(). Created with the service's own tables, in its schema.
+REQUEST_LOG_DDL = """
+CREATE TABLE IF NOT EXISTS {schema}.request (
+    seq bigserial PRIMARY KEY,
+    at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    method text NOT NULL,
+    path text NOT NULL,
+    query text,
+    -- The key the request names: its Idempotency-Key header (a POST), or the
+    -- idempotency_key parameter it looks up (a PSP probe).
+    idempotency_key text,
+    reference text,
+    end_to_end_reference text
+);
+CREATE INDEX IF NOT EXISTS request_reference_idx ON {schema}.request (reference);
+CREATE INDEX IF NOT EXISTS request_idempotency_key_idx ON {schema}.request (idempotency_key);
+CREATE INDEX IF NOT EXISTS request_end_to_end_reference_idx ON {schema}.request (end_to_end_reference);
+"""
+
+BUSINESS_PREFIX = "/v1/"
+
+
+def request_logger(schema: str) -> Callable[[Request], Awaitable[None]]:
+    """An app-wide dependency: one INSERT per request to a business endpoint.
+
+    It runs before the handler (and before a fault plan's delay or error), in
+    a statement of its own, so nothing the handler does, commits or rolls back
+    changes the log, and the log changes no answer. The reference and the
+    end-to-end reference are read from a JSON body's fields of those names,
+    or from the path (`/v1/transfers/{end_to_end_reference}`).
+    """
+    insert = (
+        f"INSERT INTO {schema}.request "
+        "(method, path, query, idempotency_key, reference, end_to_end_reference) "
+        "VALUES ($1, $2, $3, $4, $5, $6)"
+    )
+
+    async def log_request(request: Request) -> None:
+        path = request.url.path
+        if not path.startswith(BUSINESS_PREFIX):
+            return
+        fields: dict[str, Any] = {}
+        if request.method == "POST":
+            try:  # FastAPI has read the body already; this is its cached copy
+                parsed = json.loads(await request.body())
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                fields = parsed
+        key = request.headers.get("Idempotency-Key") or request.query_params.get("idempotency_key")
+        e2e = fields.get("end_to_end_reference") or request.path_params.get("end_to_end_reference")
+        await request.app.state.pool.execute(
+            insert,
+            request.method,
+            path,
+            request.url.query or None,
+            key,
+            _text_or_none(fields.get("reference")),
+            _text_or_none(e2e),
+        )
+
+    return log_request
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+async def list_requests(
+    pool: asyncpg.Pool,
+    schema: str,
+    reference: str | None,
+    idempotency_key: str | None,
+    end_to_end_reference: str | None,
+) -> dict[str, Any]:
+    rows = await pool.fetch(
+        f"SELECT seq, at, method, path, query, idempotency_key, reference, end_to_end_reference "
+        f"FROM {schema}.request "
+        "WHERE ($1::text IS NULL OR reference = $1) "
+        "AND ($2::text IS NULL OR idempotency_key = $2) "
+        "AND ($3::text IS NULL OR end_to_end_reference = $3) "
+        "ORDER BY seq",
+        reference, idempotency_key, end_to_end_reference,
+    )
+    return {"items": [{k: iso(v) if isinstance(v, datetime) else v for k, v in r.items()} for r in rows]}
+
+
 # --- App and CLI --------------------------------------------------------------
 
 
 def base_app(
     title: str, database_url: str, schema: str, ddl: str, operations: Iterable[str]
 ) -> FastAPI:
-    """An app with what both fakes have: pool, schema, fault plan, errors, health."""
+    """An app with what both fakes have: pool, schema, fault plan, errors, health, request log."""
     # No OpenTelemetry here: spare the per-request look for its providers.
     app = FastAPI(
         title=title,
-        lifespan=pool_lifespan(database_url, schema, ddl),
+        lifespan=pool_lifespan(database_url, schema, ddl + REQUEST_LOG_DDL.format(schema=schema)),
         telemetry={"tracing": False, "metrics": False, "logs": False},
+        dependencies=[Depends(request_logger(schema))],
     )
     app.state.faults = FaultPlan(operations)
     install_problem_handlers(app)
@@ -433,6 +529,14 @@ def base_app(
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/_admin/requests", tags=["admin"])
+    async def admin_requests(
+        reference: str | None = Query(None),
+        idempotency_key: str | None = Query(None),
+        end_to_end_reference: str | None = Query(None),
+    ) -> dict[str, Any]:
+        return await list_requests(app.state.pool, schema, reference, idempotency_key, end_to_end_reference)
 
     return app
 

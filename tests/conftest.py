@@ -175,7 +175,8 @@ async def clean(stack: Stack, db: asyncpg.Connection) -> None:
     """Empty tables and fault plans; autouse in integration/ and crash/."""
     await db.execute(
         "TRUNCATE reconciliation_break, scheduled_run, ledger_entry, idempotency_key, payment, client, "
-        "fake_psp.charge, fake_psp.refund, fake_rail.transfer, fake_rail.closed_day"
+        "fake_psp.charge, fake_psp.refund, fake_psp.request, fake_rail.transfer, fake_rail.closed_day, "
+        "fake_rail.request"
     )
     async with httpx.AsyncClient() as client:
         for rail in (stack.psp, stack.rail):

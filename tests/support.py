@@ -41,6 +41,18 @@ async def transfers(db: asyncpg.Connection, reference: str) -> list[asyncpg.Reco
     return await db.fetch("SELECT * FROM fake_rail.transfer WHERE reference = $1", reference)
 
 
+async def requests_at(db: asyncpg.Connection, service: str, **where: str) -> list[tuple[str, str]]:
+    """(method, path) of every request the fake `service` ("psp" or "rail") logged, oldest first.
+
+    `where` filters on the log's columns: idempotency_key (a POST's header, or
+    the key a PSP probe looks up), reference, end_to_end_reference.
+    """
+    assert service in ("psp", "rail") and set(where) <= {"idempotency_key", "reference", "end_to_end_reference"}
+    conditions = " AND ".join(f"{column} = ${i}" for i, column in enumerate(where, 1)) or "true"
+    rows = await db.fetch(f"SELECT method, path FROM fake_{service}.request WHERE {conditions} ORDER BY seq", *where.values())
+    return [(r["method"], r["path"]) for r in rows]
+
+
 async def key_row(db: asyncpg.Connection, client_id: int, key: str) -> asyncpg.Record | None:
     return await db.fetchrow("SELECT * FROM idempotency_key WHERE client_id = $1 AND key = $2", client_id, key)
 

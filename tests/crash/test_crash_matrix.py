@@ -22,7 +22,8 @@ import pytest
 
 from app.payments.crash_points import POINTS
 from tests.support import (
-    charges, claimed, headers, key_row, ledger, payment_body, payments_for, refunds, transfers, unbalanced_payments, until,
+    charges, headers, key_row, ledger, payment_body, payments_for, refunds, requests_at, transfers,
+    unbalanced_payments, until,
 )
 
 pytestmark = pytest.mark.usefixtures("stack")
@@ -179,28 +180,106 @@ async def test_of_two_concurrent_retries_after_a_crash_exactly_one_takes_over(ht
 
 
 async def test_a_stalled_owner_cannot_commit_after_its_operation_was_taken_over(http, stack, db, acme, processes):
+    # The stale commit must be tried while the operation is still `started`
+    # under the new owner, where only the lease token can refuse it. So the
+    # owner stalls at the rail (its commit there is the one that finishes the
+    # payment), and the new owner is held at the rail longer still. (Stalled
+    # at the charge instead, its statement would also be refused by the
+    # ledger's unique (payment, posting, account): a second line of defence,
+    # which would hide whether the fence works.) Both have rail timeouts
+    # longer than these delays, so the stalled owner wakes to an answer.
     key, body = str(uuid.uuid4()), payment_body()
-    stalled = processes.api("stalled", LEASE_SECONDS="1")
-    await set_faults(http, stack.psp, {"action": "delay", "reference": body["reference"], "seconds": 1})
+    stalled = processes.api("stalled", LEASE_SECONDS="1", RAIL_TIMEOUT_SECONDS="15")
+    new_owner = processes.api("new-owner", RAIL_TIMEOUT_SECONDS="15")
+    await set_faults(
+        http, stack.rail,
+        {"action": "delay", "reference": body["reference"], "seconds": 4},  # the stalled owner's transfer
+        {"action": "delay", "reference": body["reference"], "seconds": 7},  # the new owner's
+    )
     first = asyncio.create_task(http.post(f"{stalled.url}/v1/payments", json=body, headers=headers(acme, key)))
-    await claimed(db, acme.id, key)
 
+    async def transfers_asked(n: int) -> bool:
+        return await requests_at(db, "rail", reference=body["reference"]) == [("POST", "/v1/transfers")] * n
+
+    await until(lambda: transfers_asked(1), "the owner to send the transfer")
     os.kill(stalled.popen.pid, signal.SIGSTOP)  # a GC pause, a frozen VM, a swapped-out process
     try:
         await lease_expired(db, acme.id, key)
-        retry = await http.post(f"{stack.api}/v1/payments", json=body, headers=headers(acme, key))
-        assert retry.status_code == 201, retry.text
+        retry = asyncio.create_task(
+            http.post(f"{new_owner.url}/v1/payments", json=body, headers=headers(acme, key))
+        )
+        # The new owner took over at EXT2_SENT, probed (nothing yet) and sent
+        # the transfer again with K2; the stalled owner's transfer has landed
+        # meanwhile, so it will wake to the rail's answer.
+        await until(lambda: transfers_asked(2), "the new owner to send the transfer")
+        await until(lambda: transfers(db, body["reference"]), "the stalled owner's transfer to land")
+        held = await key_row(db, acme.id, key)
+        assert held["state"] == "started" and held["recovery_point"] == "EXT2_SENT" and held["attempts"] == 2
     finally:
         os.kill(stalled.popen.pid, signal.SIGCONT)
 
     late = await first
-    # It woke up holding a stale lease: its phase commit matched no row and
-    # rolled back, so it can only say someone else owns (owned) the request.
+    # It woke up holding a stale lease and tried to finish the payment with
+    # one statement: its fence matched no row, so nothing was written, and
+    # it can only say someone else owns the request.
     assert late.status_code == 409, late.text
+    after = await key_row(db, acme.id, key)
+    assert after["state"] == "started", "the stale commit was tried while the new owner still held the operation"
+    assert after == held, "no response, no timeline entry, no recovery point written by the stale owner"
+    [payment] = await payments_for(db, body["reference"])
+    assert payment["status"] == "processing"
+    assert [entry[0] for entry in await ledger(db, payment["id"])] == ["charge_captured"] * 3, "no payout_sent"
+
+    retry = await retry
+    assert retry.status_code == 201, retry.text
     await assert_exactly_once(http, stack, db, acme, key, body, rejected=False)
     row = await key_row(db, acme.id, key)
     assert row["response_body"] == retry.text
-    assert [e["event"] for e in json.loads(row["timeline"])].count("taken over") == 1
+    assert [e["event"] for e in json.loads(row["timeline"])] == [
+        "claimed", "charge succeeded", "taken over", "transfer accepted",
+    ]
+
+
+# What each external system was asked, in order, after a crash at the point
+# and one client retry: the dead process's requests, then the resumer's. A
+# resumer probes first (GET), sends (POST, with the same derived key) only
+# what the probe did not find, and never touches a step already recorded.
+ASKED = {
+    "after-commit-EXT1_SENT": {"charge": ["GET", "POST"], "transfer": ["POST"], "refund": []},
+    "after-call-EXT1": {"charge": ["POST", "GET"], "transfer": ["POST"], "refund": []},
+    "after-commit-EXT2_SENT": {"charge": ["POST"], "transfer": ["GET", "POST"], "refund": []},
+    "after-call-EXT2": {"charge": ["POST"], "transfer": ["POST", "GET"], "refund": []},
+    "after-commit-EXT3_SENT": {"charge": ["POST"], "transfer": ["POST"], "refund": ["GET", "POST"]},
+    "after-call-EXT3": {"charge": ["POST"], "transfer": ["POST"], "refund": ["POST", "GET"]},
+}
+
+
+@pytest.mark.parametrize("point", list(ASKED))
+async def test_a_resumer_probes_before_it_sends_and_never_resends_what_the_probe_found(
+    point, http, stack, db, acme, processes
+):
+    key, body, rejected = await crashed_payment(http, stack, processes, acme, point)
+    await lease_expired(db, acme.id, key)
+
+    retry = await http.post(f"{stack.api}/v1/payments", json=body, headers=headers(acme, key))
+
+    assert retry.status_code == 201, retry.text
+    [payment] = await payments_for(db, body["reference"])
+    e2e = payment["end_to_end_reference"]
+    asked = {
+        "charge": await requests_at(db, "psp", idempotency_key=payment["psp_charge_key"]),
+        "transfer": await requests_at(db, "rail", end_to_end_reference=e2e),
+        "refund": await requests_at(db, "psp", idempotency_key=payment["psp_refund_key"] or "none"),
+    }
+    paths = {
+        "charge": {"GET": "/v1/charges", "POST": "/v1/charges"},
+        "transfer": {"GET": f"/v1/transfers/{e2e}", "POST": "/v1/transfers"},
+        "refund": {"GET": "/v1/refunds", "POST": "/v1/refunds"},
+    }
+    assert asked == {
+        call: [(method, paths[call][method]) for method in methods] for call, methods in ASKED[point].items()
+    }
+    await assert_exactly_once(http, stack, db, acme, key, body, rejected=rejected)
 
 
 async def test_a_worker_stopped_with_sigterm_releases_the_operation_it_holds(http, stack, db, acme, processes):

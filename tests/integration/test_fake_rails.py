@@ -79,7 +79,8 @@ async def db(rails_db_url: str, psp, rail):  # the apps create the tables
 @pytest.fixture(autouse=True)
 async def clean(db, psp, rail):
     await db.execute(
-        "TRUNCATE fake_psp.charge, fake_psp.refund, fake_rail.transfer, fake_rail.closed_day"
+        "TRUNCATE fake_psp.charge, fake_psp.refund, fake_psp.request, fake_rail.transfer, "
+        "fake_rail.closed_day, fake_rail.request"
     )
     await psp.delete("/_admin/faults")
     await rail.delete("/_admin/faults")
@@ -472,6 +473,42 @@ async def test_concurrent_refunds_with_different_keys_cannot_overdraw_a_charge(p
 
     assert sorted(r.status_code for r in responses) == [201] * 3 + [409] * 7
     assert await db.fetchval("SELECT sum(amount) FROM fake_psp.refund") == 90
+
+
+# --- Request log --------------------------------------------------------------
+
+
+async def test_every_business_request_is_logged_in_order_whatever_it_was_answered(psp, rail, db):
+    await set_faults(psp, {"action": "error_before", "reference": "order-log"})
+    refused = await post(psp, "/v1/charges", charge_body("order-log"), "k-log")
+    probe = await psp.get("/v1/charges", params={"idempotency_key": "k-log"})
+    charged = await post(psp, "/v1/charges", charge_body("order-log"), "k-log")
+    replayed = await post(psp, "/v1/charges", charge_body("order-log"), "k-log")
+    sent = await post(rail, "/v1/transfers", transfer_body("payout-log"), "k-tr")
+    probed = await rail.get("/v1/transfers/E2E-payout-log")
+    await psp.get("/_admin/charges")  # admin and health requests are not logged
+    await psp.get("/healthz")
+
+    assert [refused.status_code, probe.status_code, charged.status_code, replayed.status_code] == [503, 404, 201, 201]
+    assert sent.status_code == 201 and probed.status_code == 200
+    logged = (await psp.get("/_admin/requests")).json()["items"]
+    assert [(r["method"], r["path"], r["idempotency_key"], r["reference"]) for r in logged] == [
+        ("POST", "/v1/charges", "k-log", "order-log"),
+        ("GET", "/v1/charges", "k-log", None),
+        ("POST", "/v1/charges", "k-log", "order-log"),
+        ("POST", "/v1/charges", "k-log", "order-log"),
+    ]
+    assert logged[1]["query"] == "idempotency_key=k-log"
+    assert [r["seq"] for r in logged] == sorted(r["seq"] for r in logged)
+    assert (await psp.get("/_admin/requests", params={"reference": "nothing"})).json() == {"items": []}
+    by_e2e = (await rail.get("/_admin/requests", params={"end_to_end_reference": "E2E-payout-log"})).json()["items"]
+    assert [(r["method"], r["path"], r["idempotency_key"], r["reference"]) for r in by_e2e] == [
+        ("POST", "/v1/transfers", "k-tr", "payout-log"),
+        ("GET", "/v1/transfers/E2E-payout-log", None, None),
+    ]
+    # The same rows, in the fake's own schema, for tests that read it directly.
+    assert await db.fetchval("SELECT count(*) FROM fake_psp.request") == 4
+    assert await db.fetchval("SELECT count(*) FROM fake_rail.request") == 2
 
 
 # --- Legacy mode --------------------------------------------------------------

@@ -19,7 +19,8 @@ from app.api.body_limit import MAX_BODY_BYTES
 from app.api.http_protocol import HEAD_TIMEOUT_SECONDS, MAX_HEAD_BYTES
 from app.idempotency.keys import derived_key, end_to_end_reference
 from tests.support import (
-    charges, claimed, headers, key_row, ledger, payment_body, payments_for, refunds, transfers, unbalanced_payments,
+    charges, claimed, headers, key_row, ledger, payment_body, payments_for, refunds, requests_at, transfers,
+    unbalanced_payments, until,
 )
 
 pytestmark = pytest.mark.usefixtures("stack")
@@ -521,6 +522,10 @@ async def test_no_transaction_is_held_open_while_the_psp_is_called(http, stack, 
     first = asyncio.create_task(post(http, stack, acme, key, body))
     await claimed(db, acme.id, key)
 
+    async def charge_sent() -> bool:
+        return ("POST", "/v1/charges") in await requests_at(db, "psp", reference=body["reference"])
+
+    await until(charge_sent, "the charge to reach the PSP")
     # The API is now waiting on the PSP. Had it kept its transaction open, its
     # session would show as "idle in transaction" (holding the key row's locks).
     in_transaction = await db.fetch(

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from app.config import asyncpg_url
-from app.db.transaction import one_statement
+from app.db.transaction import atomic, one_statement
 from app.idempotency.store import Lease, LeaseLost
 from app.payments import phases
 from app.payments.models import PaymentRequest
@@ -98,3 +98,16 @@ async def test_handler1_for_a_taken_reference_leaves_no_key_row(engine, db, acme
     assert await db.fetchval("SELECT count(*) FROM idempotency_key WHERE key = $1", first) == 1
     assert await db.fetchval("SELECT count(*) FROM idempotency_key WHERE key = $1", second) == 0
     assert await db.fetchval("SELECT count(*) FROM payment") == 1
+
+
+async def test_a_live_lease_cannot_be_taken_over_and_an_expired_one_can(engine, db, acme):
+    key = str(uuid.uuid4())
+    await new_operation(engine, acme, key)  # its owner holds a 30 s lease
+    before = await snapshot(db, key)
+
+    assert await atomic(engine, phases.take_over, acme.id, key, 30) is None, "the owner is alive"
+    assert await snapshot(db, key) == before
+
+    await db.execute("UPDATE idempotency_key SET lease_expires_at = now() - interval '1 second' WHERE key = $1", key)
+    taken = await atomic(engine, phases.take_over, acme.id, key, 30)
+    assert taken is not None and taken.attempt == 2 and taken.resumed

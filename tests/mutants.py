@@ -1,0 +1,496 @@
+"""Break it on purpose: each mutant breaks one safety rule, and the tests must catch every one.
+
+    python -m tests.mutants            # every mutant (`make mutants`)
+    python -m tests.mutants --list     # what each one changes, and the tests that must catch it
+    python -m tests.mutants fence probe  # only these
+
+A green suite proves little if it would also be green with the protection
+gone. So each mutant below is a small, deliberate bug, an exact piece of
+source text replaced by another, that breaks one rule of docs/crash-matrix.md
+("Break it yourself"). For each one, this script copies the tree (every file
+git knows, committed or not, ignored ones left out) into a temporary
+directory, applies the mutant there, and runs the few tests chosen to catch
+it, in that copy. The working tree is never touched.
+
+The copy is put first on PYTHONPATH, so the test process and every process
+it spawns (`payments`, `fake-psp`, `fake-rail`, which are the virtualenv's
+console scripts) import the mutated code: the editable install's finder comes
+after sys.path (site-packages' __editable__ finder is appended to
+sys.meta_path, behind the path finder). This is checked for every mutant: a
+subprocess started outside the copy must import each mutated module from it.
+
+A mutant is KILLED when its tests fail (pytest exit code 1) and SURVIVED
+when they pass; anything else (a test id that no longer exists, a collection
+error, a timeout) is an ERROR, not a kill. Some mutants also name tests that
+must still pass (`still_pass`): they prove the mutant is well-formed (the
+fence mutant is consistent across every written-out copy) and that the kill
+comes from behaviour. Before the mutants, the tests are run once on the
+unmutated copy (the baseline): a kill means nothing if they fail anyway.
+
+The exit status is non-zero if any mutant survives, errs, or no longer finds
+its source text exactly as many times as it expects: the list cannot rot
+silently when the code it mutates changes.
+
+With DATABASE_URL set, the tests use that server (each run makes its own
+database); without it, the embedded PostgreSQL is started once here (the
+same one as `make test`) and every run uses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_SECONDS = 600
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace `find` by `replace` in `path`; `find` must occur exactly `count` times."""
+
+    path: str
+    find: str
+    replace: str
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    rule: str
+    edits: tuple[Edit, ...]
+    tests: tuple[str, ...]
+    still_pass: tuple[str, ...] = field(default=())
+
+
+CRASH = "tests/crash/test_crash_matrix.py::"
+API = "tests/integration/test_payments_api.py::"
+PHASES = "tests/integration/test_phases.py::"
+
+MUTANTS = (
+    Mutant(
+        "fence",
+        "a phase commits only under its own lease (the fence checks the lease token)",
+        (
+            Edit(
+                "app/idempotency/store.py",
+                "       AND lease_token = :token AND state = 'started'\n    RETURNING payment_id",
+                "       AND state = 'started'\n    RETURNING payment_id",
+                count=2,  # ADVANCE_SQL, FINISH_SQL
+            ),
+            Edit(
+                "app/payments/sql.py",
+                "           AND lease_token = :token AND state = 'started'\n        RETURNING payment_id",
+                "           AND state = 'started'\n        RETURNING payment_id",
+                count=5,  # their written-out copies, in every hot-path statement
+            ),
+        ),
+        (
+            PHASES + "test_a_phase_run_under_a_lease_that_was_taken_over_writes_nothing",
+            CRASH + "test_a_stalled_owner_cannot_commit_after_its_operation_was_taken_over",
+        ),
+        still_pass=("tests/unit/test_phase_sql.py",),
+    ),
+    Mutant(
+        "probe",
+        "a resumer probes before it sends, and sends nothing the probe found",
+        (
+            Edit(
+                "app/payments/runner.py",
+                "    if op.resumed:\n        # A dead or timed-out attempt",
+                "    if False:  # MUTANT: a resumer sends without probing\n        # A dead or timed-out attempt",
+            ),
+        ),
+        (
+            CRASH + "test_a_resumer_probes_before_it_sends_and_never_resends_what_the_probe_found[after-call-EXT1]",
+            CRASH + "test_a_resumer_probes_before_it_sends_and_never_resends_what_the_probe_found[after-call-EXT2]",
+        ),
+    ),
+    Mutant(
+        "random-key",
+        "the key sent to the PSP and the rail is derived from (client, key, step), never random",
+        (
+            Edit(
+                "app/idempotency/keys.py",
+                "    return hashlib.sha256(material).hexdigest()",
+                "    return __import__('uuid').uuid4().hex  # MUTANT: a random key",
+            ),
+        ),
+        (
+            "tests/unit/test_keys.py::test_derived_keys_are_deterministic_and_distinct_per_client_key_and_step",
+            API + "test_a_new_payment_charges_once_pays_out_once_and_balances_the_ledger",
+        ),
+    ),
+    Mutant(
+        "open-transaction",
+        "no transaction (and no pooled connection) is held while the PSP or the rail is called",
+        (
+            Edit(
+                "app/payments/runner.py",
+                "        outcome = await _call(services, step, op)\n",
+                "        async def holding(conn):  # MUTANT: the call made inside an open transaction\n"
+                "            await keys.load(conn, op.lease.client_id, op.lease.key)\n"
+                "            return await _call(services, step, op)\n"
+                "        outcome = await atomic(services.engine, holding)\n",
+            ),
+        ),
+        (API + "test_no_transaction_is_held_open_while_the_psp_is_called",),
+    ),
+    Mutant(
+        "final-503",
+        "an unknown outcome is released, never stored as the final response",
+        (
+            Edit(
+                "app/idempotency/store.py",
+                "       SET lease_token = NULL,\n           lease_expires_at = NULL,\n           last_error = :error,\n"
+                "           not_sent = :not_sent,\n           next_attempt_at",
+                "       SET state = 'finished', response_code = 503, response_body = :error,  -- MUTANT\n"
+                "           lease_token = NULL,\n           lease_expires_at = NULL,\n           last_error = :error,\n"
+                "           not_sent = :not_sent,\n           next_attempt_at",
+            ),
+        ),
+        (API + "test_an_unknown_outcome_answers_202_and_a_retry_completes_it_once",),
+    ),
+    Mutant(
+        "fingerprint",
+        "a key reused for a different request is refused (422), never treated as a retry",
+        (
+            Edit(
+                "app/payments/service.py",
+                "    if row.endpoint != phases.ENDPOINT or row.request_hash != request_hash:\n",
+                "    if row.endpoint != phases.ENDPOINT:  # MUTANT: the fingerprint is not compared\n",
+            ),
+        ),
+        (
+            API + "test_the_same_key_with_a_different_body_is_rejected_with_422_and_changes_nothing",
+            API + "test_a_different_body_is_rejected_even_while_the_first_attempt_is_in_flight",
+        ),
+    ),
+    Mutant(
+        "takeover",
+        "only an operation whose lease has run out may be taken over",
+        (
+            Edit(
+                "app/idempotency/store.py",
+                "       AND k.state = 'started' AND k.parked_at IS NULL\n"
+                "       AND (k.lease_expires_at IS NULL OR k.lease_expires_at < now())\n",
+                "       AND k.state = 'started' AND k.parked_at IS NULL  -- MUTANT: live leases too\n",
+            ),
+        ),
+        (
+            PHASES + "test_a_live_lease_cannot_be_taken_over_and_an_expired_one_can",
+            CRASH + "test_of_two_concurrent_retries_after_a_crash_exactly_one_takes_over",
+        ),
+    ),
+    Mutant(
+        "legacy-resend",
+        "a payout to a rail that cannot deduplicate is never sent again by a resumer",
+        (
+            Edit(
+                "app/payments/runner.py",
+                '    if op.resumed:\n        return Unknown("the payout may have been sent',
+                '    if False:  # MUTANT: a resumer sends the legacy payout again\n'
+                '        return Unknown("the payout may have been sent',
+            ),
+        ),
+        (
+            "tests/reconciliation/test_reconciliation.py::"
+            "test_a_crash_around_a_legacy_payout_parks_it_and_never_sends_it_twice[after-call-EXT2-1]",
+        ),
+    ),
+    Mutant(
+        "refund-key",
+        "the refund is sent with its derived key K3, so a resumer finds it instead of refunding again",
+        (
+            Edit(
+                "app/payments/runner.py",
+                "        send=lambda s, p: s.psp.refund(p.psp_refund_key, p),",
+                "        send=lambda s, p: s.psp.refund(__import__('uuid').uuid4().hex, p),  # MUTANT: a fresh key",
+            ),
+        ),
+        (
+            API + "test_a_rail_rejection_is_compensated_by_exactly_one_refund",
+            CRASH + "test_a_resumer_probes_before_it_sends_and_never_resends_what_the_probe_found[after-call-EXT3]",
+        ),
+    ),
+    Mutant(
+        "duplicate-reference",
+        "a reference belongs to one live payment: a second key for it is refused 409 duplicate-payment",
+        (
+            Edit(
+                "app/payments/sql.py",
+                "        ON CONFLICT (client_id, reference) WHERE status NOT IN ('declined', 'failed') DO NOTHING\n",
+                "",
+            ),
+        ),
+        (
+            API + "test_a_new_key_for_an_already_paid_reference_is_409_and_pays_nothing",
+            PHASES + "test_handler1_for_a_taken_reference_leaves_no_key_row",
+        ),
+    ),
+)
+
+
+# --- The copy -------------------------------------------------------------------
+
+
+def copy_tree(destination: Path) -> None:
+    """Every file git knows here (tracked, or untracked and not ignored), as it is on disk now."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, check=True, capture_output=True,
+    ).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = ROOT / name
+        if not source.exists():  # deleted in the working tree, not yet committed
+            continue
+        target = destination / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, target, follow_symlinks=False)
+
+
+def lines_of(text: str, find: str) -> list[int]:
+    """The 1-based line of each occurrence of `find` in `text`."""
+    lines, start = [], 0
+    while (at := text.find(find, start)) != -1:
+        lines.append(text.count("\n", 0, at) + 1)
+        start = at + max(len(find), 1)
+    return lines
+
+
+def where(mutant: Mutant) -> str:
+    """file:line,line... of every change, in the source as it is now (or the problem)."""
+    places = []
+    for edit in mutant.edits:
+        text = (ROOT / edit.path).read_text()
+        found = lines_of(text, edit.find)
+        places.append(f"{edit.path}:{','.join(map(str, found)) or 'NOT FOUND'}")
+    return " ".join(places)
+
+
+def stale_edits(mutant: Mutant) -> list[str]:
+    """Why the mutant can no longer be applied as written (empty if it can)."""
+    problems = []
+    for edit in mutant.edits:
+        found = (ROOT / edit.path).read_text().count(edit.find)
+        if found != edit.count:
+            problems.append(f"{edit.path}: its text is found {found} times, not {edit.count}")
+    return problems
+
+
+def apply(mutant: Mutant, tree: Path) -> None:
+    for edit in mutant.edits:
+        path = tree / edit.path
+        text = path.read_text()
+        assert text.count(edit.find) == edit.count, (mutant.name, edit.path)
+        path.write_text(text.replace(edit.find, edit.replace))
+
+
+def module_of(path: str) -> str:
+    return path.removesuffix(".py").replace("/", ".")
+
+
+def check_visible(mutant: Mutant, tree: Path, env: dict[str, str]) -> str | None:
+    """None if a fresh subprocess (as `payments` would be) imports every mutated module from the copy."""
+    for edit in mutant.edits:
+        # Run from / so that only PYTHONPATH, not the current directory, can find the copy.
+        imported = subprocess.run(
+            [sys.executable, "-c", f"import {module_of(edit.path)} as m; print(m.__file__)"],
+            cwd="/", env=env, capture_output=True, text=True,
+        )
+        found = Path(imported.stdout.strip() or "?")
+        if imported.returncode != 0 or found != tree / edit.path:
+            return f"{module_of(edit.path)} came from {found} ({imported.stderr.strip()[-300:]})"
+        if edit.replace and edit.replace not in found.read_text():
+            return f"{found} does not hold the mutation"
+    return None
+
+
+# --- Running tests --------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    code: int | None  # None: timed out
+    seconds: float
+    log: Path
+    summary: str
+
+
+def pytest(tests: tuple[str, ...], tree: Path, env: dict[str, str], log: Path, timeout: float) -> Run:
+    started = time.monotonic()
+    with log.open("w") as out:
+        # A session of its own, so that on a timeout the whole group (pytest and
+        # the processes it started) can be stopped by its id.
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider"],
+            cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        try:
+            code: int | None = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            code = None
+    # pytest -q sums up in a line such as "2 failed, 3 passed in 12.34s"
+    totals = [
+        line.strip("= ").split(" in ")[0]
+        for line in log.read_text(errors="replace").splitlines()
+        if re.fullmatch(r"=* ?\d+ \w+(, \d+ \w+)* in [\d.]+s( \(.*\))? ?=*", line.strip())
+    ]
+    summary = totals[-1] if totals else "no summary"
+    return Run(code, time.monotonic() - started, log, summary)
+
+
+def short(test: str) -> str:
+    return test.removeprefix("tests/").replace(".py::", "::")
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+# --- Main -----------------------------------------------------------------------
+
+
+def database_url() -> tuple[str, object | None]:
+    """The server to test against, and the embedded server to stop afterwards (None: leave it)."""
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        return url, None
+    from app import embedded_db
+
+    server = embedded_db.default_server()
+    started = embedded_db.start(server)
+    return server.url(), server if started else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="run only these mutants")
+    parser.add_argument("--list", action="store_true", help="show the mutants and exit")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run on the unmutated copy")
+    parser.add_argument("--keep", action="store_true", help="keep the copies and logs")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_SECONDS, help="seconds per pytest run")
+    args = parser.parse_args(argv)
+
+    unknown = set(args.names) - {m.name for m in MUTANTS}
+    if unknown:
+        parser.error(f"no such mutant: {', '.join(sorted(unknown))}")
+    mutants = [m for m in MUTANTS if not args.names or m.name in args.names]
+
+    if args.list:
+        for m in mutants:
+            print(f"{m.name}: breaks \"{m.rule}\"\n  changes {where(m)}")
+            for test in m.tests:
+                print(f"  caught by {test}")
+            for test in m.still_pass:
+                print(f"  still passing {test}")
+        return 0
+
+    stale = {m.name: stale_edits(m) for m in mutants}
+    for name, problems in stale.items():
+        for problem in problems:
+            print(f"mutant {name} cannot be applied: {problem}", file=sys.stderr)
+
+    url, embedded = database_url()
+    work = Path(tempfile.mkdtemp(prefix="mutants-"))
+    results: list[tuple[Mutant, str, float, str]] = []
+    try:
+        pristine = work / "pristine"
+        copy_tree(pristine)
+
+        def env_for(tree: Path) -> dict[str, str]:
+            return {**os.environ, "PYTHONPATH": str(tree), "DATABASE_URL": url}
+
+        if not args.no_baseline:
+            tests = tuple(dict.fromkeys(t for m in mutants for t in (*m.still_pass, *m.tests)))
+            print(f"baseline: {len(tests)} test ids on the unmutated copy ...", flush=True)
+            run = pytest(tests, pristine, env_for(pristine), work / "baseline.log", args.timeout)
+            print(f"baseline: {'passed' if run.code == 0 else 'FAILED'} in {run.seconds:.0f} s", flush=True)
+            if run.code != 0:
+                print(tail(run.log), file=sys.stderr)
+                print("the tests fail without any mutant: a kill would mean nothing; fix them first", file=sys.stderr)
+                return 1
+
+        for m in mutants:
+            if stale[m.name]:
+                results.append((m, "STALE (source text not found)", 0.0, ""))
+                continue
+            tree = work / m.name
+            shutil.copytree(pristine, tree, symlinks=True)
+            apply(m, tree)
+            env = env_for(tree)
+            invisible = check_visible(m, tree, env)
+            if invisible:
+                results.append((m, f"ERROR (not visible: {invisible})", 0.0, ""))
+                continue
+            started = time.monotonic()
+            detail = ""
+            if m.still_pass:
+                guard = pytest(m.still_pass, tree, env, work / f"{m.name}.still_pass.log", args.timeout)
+                if guard.code != 0:
+                    results.append((m, "MALFORMED (a test that must still pass failed)", time.monotonic() - started,
+                                    tail(guard.log)))
+                    continue
+            run = pytest(m.tests, tree, env, work / f"{m.name}.log", args.timeout)
+            if run.code == 1:
+                outcome = f"killed ({run.summary})"
+            elif run.code == 0:
+                outcome, detail = "SURVIVED", tail(run.log, 5)
+            elif run.code is None:
+                outcome, detail = f"ERROR (timed out after {args.timeout:.0f} s)", tail(run.log)
+            else:
+                outcome, detail = f"ERROR (pytest exit code {run.code})", tail(run.log)
+            results.append((m, outcome, time.monotonic() - started, detail))
+            print(f"{m.name}: {outcome} in {time.monotonic() - started:.0f} s", flush=True)
+    finally:
+        if embedded is not None:
+            from app import embedded_db
+
+            embedded_db.stop(embedded)
+        if args.keep:
+            print(f"copies and logs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    print()
+    print(table(results))
+    for m, outcome, _, detail in results:
+        if not outcome.startswith("killed") and detail:
+            print(f"\n--- {m.name}: {outcome}\n{detail}")
+    bad = [m.name for m, outcome, _, _ in results if not outcome.startswith("killed")]
+    if bad:
+        print(f"\nnot killed: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    print(f"\nall {len(results)} mutants killed")
+    return 0
+
+
+def table(results: list[tuple[Mutant, str, float, str]]) -> str:
+    """One row per mutant (name, result, seconds, where it changes the source), then its rule and tests."""
+    widths = (max(len(m.name) for m, *_ in results), max(len(outcome) for _, outcome, *_ in results))
+    lines = [f"{'mutant':<{widths[0]}}  {'result':<{widths[1]}}  {'seconds':>7}  file:line it changes"]
+    for m, outcome, seconds, _ in results:
+        lines.append(f"{m.name:<{widths[0]}}  {outcome:<{widths[1]}}  {seconds:>7.0f}  {where(m)}")
+        indent = " " * (widths[0] + 2)
+        lines.append(f"{indent}rule it breaks: {m.rule}")
+        for test in m.still_pass:
+            lines.append(f"{indent}must still pass: {short(test)}")
+        for test in m.tests:
+            lines.append(f"{indent}tests run: {short(test)}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
