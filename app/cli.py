@@ -51,14 +51,22 @@ def _settings():
     from pydantic import ValidationError
 
     from app.config import Settings
+    from app.payments import crash_points
 
     try:
-        return Settings()
+        settings = Settings()
+        # Checked here, where the payment path's names are known (the
+        # settings sit below it and name no crash point themselves).
+        crash_points.validate(settings.payments_crash_at or None)
+        return settings
     except ValidationError as exc:
         for error in exc.errors(include_input=False, include_url=False):
             name = "_".join(str(part) for part in error["loc"]).upper()
             message = error["msg"].removeprefix("Value error, ")
             console.print(f"invalid setting {name}: {message}", style="red", soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    except ValueError as exc:
+        console.print(f"invalid setting PAYMENTS_CRASH_AT: {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
         raise typer.Exit(2) from None
 
 
@@ -156,11 +164,11 @@ def reconcile(
     import logging
     from datetime import date
 
-    from app.config import Settings
     from app.services import open_services
     from app.workers import reconciliation
 
     _database_url()
+    settings = _settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         window = date.fromisoformat(day) if day else reconciliation.yesterday()
@@ -169,7 +177,7 @@ def reconcile(
         raise typer.Exit(2) from None
 
     async def go() -> dict | None:
-        async with open_services(Settings()) as services:
+        async with open_services(settings) as services:
             return await reconciliation.run_window(services, window)
 
     try:

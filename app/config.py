@@ -82,6 +82,10 @@ class Settings(BaseSettings):
     # back before the process exits (app/api/in_flight.py), so a retry on
     # another replica resumes it at once instead of waiting out LEASE_SECONDS.
     shutdown_grace_seconds: float = Field(default=10.0, ge=0)
+    # Answer retries of finished payments before the framework runs
+    # (app/api/replay_shortcut.py): the same answer as the route's, at a
+    # fraction of the CPU (docs/performance.md). false: the route answers them.
+    replay_shortcut: bool = True
     db_pool_size: int = Field(default=20, ge=1)
     # The caller lookup's own asyncpg pool (app/db/engine.py): one short read
     # per POST, so a few connections serve thousands of requests a second.
@@ -111,7 +115,8 @@ class Settings(BaseSettings):
     # absent only once every statement in its horizon is final.
     reconcile_booking_days: int = Field(default=3, ge=1, le=14)
     reconcile_lease_seconds: float = Field(default=300.0, gt=0)
-    # Crash tests and demos only: die at this named point (app.payments.crash_points).
+    # Crash tests and demos only: die at this named point (app.payments.crash_points;
+    # the commands check the name at start-up, app/cli.py::_settings).
     payments_crash_at: str | None = None
 
     @property
@@ -128,13 +133,6 @@ class Settings(BaseSettings):
         # An entry that is not an IBAN refuses start-up rather than being
         # silently never matched.
         return ",".join(sorted(normalise_all(value)))
-
-    @field_validator("payments_crash_at")
-    @classmethod
-    def _known_crash_point(cls, value: str | None) -> str | None:
-        from app.payments.crash_points import validate
-
-        return validate(value or None)
 
     @field_validator("database_url")
     @classmethod

@@ -60,9 +60,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     errors.install(app)
     app.include_router(router)
-    # Retries of finished payments are answered here, before routing
-    # (app/api/replay_shortcut.py); everything else passes through untouched.
-    app.add_middleware(ReplayShortcut)
+    if settings.replay_shortcut:
+        # An optimisation, not part of the idea: retries of finished payments
+        # are answered here, before routing, with the route's own read and
+        # decision (app/api/replay_shortcut.py); everything else passes
+        # through untouched. REPLAY_SHORTCUT=false leaves the route to answer
+        # them, with the same bytes.
+        app.add_middleware(ReplayShortcut)
     # Then the body cap, outside the shortcut: a body over the cap is refused
     # (413) before the shortcut, FastAPI or authentication reads it
     # (app/api/body_limit.py).

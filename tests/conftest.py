@@ -135,13 +135,16 @@ def stack(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     # in real life; the cut-off is off so no test depends on the hour it runs.
     rail.argv = [str(BIN / "fake-rail"), "--port", str(rail.port), "--legacy-accounts", LEGACY_IBAN, "--cutoff", "24:00"]
     apis = []
-    for name in ("api-a", "api-b"):
+    # The second API answers replays through the route, the first through the
+    # replay shortcut (app/api/replay_shortcut.py): a test that retries on the
+    # other API crosses both paths, and they must give the same answer.
+    for name, shortcut in (("api-a", "true"), ("api-b", "false")):
         port = free_port()
         apis.append(
             Process(
                 name,
                 [str(BIN / "payments"), "api", "--port", str(port)],
-                api_env(database_url, psp, rail),
+                api_env(database_url, psp, rail, REPLAY_SHORTCUT=shortcut),
                 port,
                 logs / f"{name}.log",
             )

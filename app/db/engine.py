@@ -17,6 +17,8 @@ import json
 
 import asyncpg
 from sqlalchemy import text
+from sqlalchemy import event
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from app.config import Settings, libpq_url
@@ -27,7 +29,7 @@ _SERVER_SETTINGS = {"timezone": "UTC"}
 
 
 def build_engine(settings: Settings) -> AsyncEngine:
-    return create_async_engine(
+    engine = create_async_engine(
         settings.database_url,
         # A statement's parameters are card tokens, names, IBANs and API key
         # hashes; SQLAlchemy puts them into the text of every database error
@@ -35,9 +37,27 @@ def build_engine(settings: Settings) -> AsyncEngine:
         hide_parameters=True,
         pool_size=settings.db_pool_size,
         max_overflow=0,
+        # No ping per checkout (a round trip on every phase); a connection the
+        # server closed is replaced at checkout instead, below.
         pool_pre_ping=False,
         connect_args={"server_settings": _SERVER_SETTINGS},
     )
+    event.listen(engine.sync_engine, "checkout", _replace_if_closed)
+    return engine
+
+
+def _replace_if_closed(dbapi_connection, connection_record, connection_proxy) -> None:
+    """Hand out no pooled connection that the server has already closed.
+
+    A restarted server, or `pg_terminate_backend`, closes every connection
+    sitting idle in the pool, and asyncpg notices at once (the socket
+    closes). Without this, the next phase to check one out would fail with
+    "connection is closed" before sending anything: a payment released with
+    a backoff, or a 503, for nothing. Raising DisconnectionError here makes
+    the pool discard it and hand out a fresh one; asking costs no round trip.
+    """
+    if dbapi_connection.driver_connection.is_closed():
+        raise DisconnectionError("the server closed this pooled connection while it was idle")
 
 
 async def open_lookup_pool(settings: Settings) -> asyncpg.Pool:

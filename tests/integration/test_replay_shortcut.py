@@ -218,3 +218,33 @@ async def test_the_shortcut_reads_the_api_key_exactly_as_the_route_does(authoriz
     credentials = await deps._bearer(Request({"type": "http", "headers": raw}))
 
     assert deps.bearer_api_key(authorization) == deps._api_key(credentials)
+
+
+def test_replay_shortcut_false_leaves_replays_to_the_route(database_url):
+    """The shortcut is an optimisation that can be switched off; the route then answers replays.
+
+    Catches: the middleware installed whatever REPLAY_SHORTCUT says (the idea
+    could then not be studied, or measured, without the optimisation).
+    """
+    from app.main import create_app
+
+    def middleware(shortcut: bool) -> list[type]:
+        app = create_app(Settings(database_url=database_url, replay_shortcut=shortcut))
+        return [m.cls for m in app.user_middleware]
+
+    assert ReplayShortcut in middleware(True)
+    assert ReplayShortcut not in middleware(False)
+
+
+def test_the_stacks_second_api_answers_replays_through_the_route(stack):
+    """The harness really starts apis[1] with REPLAY_SHORTCUT=false, so tests that retry there cross the route.
+
+    Catches: a harness that drops the setting, which would let every "both
+    paths" test pass through the shortcut twice.
+    """
+    def environ(process) -> dict[str, str]:
+        raw = open(f"/proc/{process.popen.pid}/environ", "rb").read().split(b"\0")
+        return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+    assert environ(stack.apis[0])["REPLAY_SHORTCUT"] == "true"
+    assert environ(stack.apis[1])["REPLAY_SHORTCUT"] == "false"

@@ -224,14 +224,20 @@ async def test_a_connection_cut_between_the_psp_call_and_its_record_is_never_a_5
         answer = await first
 
         assert cut > 0
-        assert answer.status_code in (202, 503), answer.text
+        # No connection is held during the PSP call, so the cut hits only idle
+        # pooled connections, which are replaced at checkout
+        # (app/db/engine.py::_replace_if_closed): the payment goes on, 201.
+        # Only a cut that lands on a statement in flight interrupts it: then
+        # 202 (booked as an attempt) or 503. Never a 500.
+        assert answer.status_code in (201, 202, 503), answer.text
         if answer.status_code == 503:
             assert answer.headers["content-type"] == "application/problem+json"
             assert answer.json()["type"] == "/problems/service-unavailable"
-        row = await key_row(ours, client.id, key)
-        # Released on a fresh connection (or already taken over by the worker,
-        # which it could not be while the lease lived): nobody waits out the lease.
-        assert row["lease_token"] is None or row["attempts"] >= 2, "released, not left to its lease"
+        if answer.status_code != 201:
+            row = await key_row(ours, client.id, key)
+            # Released on a fresh connection (or already taken over by the worker,
+            # which it could not be while the lease lived): nobody waits out the lease.
+            assert row["lease_token"] is None or row["attempts"] >= 2, "released, not left to its lease"
         final = await pay_until_final(http, stack.apis[1].url, client, key, body)
 
     assert final.json()["status"] == "succeeded"
