@@ -35,7 +35,7 @@ mutants: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 
-# Kill-between-phases demos (docs/client.md): real processes on free ports, in a
+# Kill-between-phases demos (docs/reference/client.md): real processes on free ports, in a
 # database of their own (payments_demo), so they run alongside `make run`.
 #   make demo-crash POINT=after-call-EXT1 [MODE=retry|worker]
 POINT ?=

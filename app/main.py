@@ -29,7 +29,7 @@ Errors are `application/problem+json` (RFC 9457). Problem types:
 
 # FastAPI looks for OpenTelemetry providers on every request (it reads the
 # environment each time); this service exports none, so the look is switched
-# off. It was about 2% of a replay's CPU (docs/performance.md). The naive twin
+# off. It was about 2% of a replay's CPU (docs/reference/performance.md). The naive twin
 # and the fakes switch it off too, so every variant pays the same framework.
 NO_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
 

@@ -7,5 +7,5 @@
 (or `make demo-crash POINT=...`, `make demo-crash-all`, `make demo-client-bug`).
 Each starts real processes on free ports against a database of its own,
 `payments_demo`, re-created on every run, and stops them all at the end.
-docs/client.md explains what they show.
+docs/reference/client.md explains what they show.
 """

@@ -3,7 +3,7 @@
 Starts the whole system (see demos.system), kills the API at the named point
 while it handles one payment, shows what survived, resumes, and proves the
 payment happened exactly once. Exit status 0 on PASS, 1 on FAIL.
-`payments crash-points --explain` lists the points; docs/client.md has a sample.
+`payments crash-points --explain` lists the points; docs/reference/client.md has a sample.
 """
 
 from __future__ import annotations

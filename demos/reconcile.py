@@ -4,7 +4,7 @@ Seed 000's flow ends in a branch this demo walks down: the outcome of a
 payout is unknown, "idempotent retry possible?" is NO (the beneficiary's bank
 sits behind a legacy rail: no idempotency keys, no status probe), so the
 payment is parked as `indeterminate` and reconciliation against the rail's
-statement settles it. See docs/reconciliation.md and docs/runbook-indeterminate.md.
+statement settles it. See docs/reconciliation.md and docs/reference/runbook-indeterminate.md.
 
     (a) the rail books the transfer, then hangs (fault hang_after): we time out.
         The statement has it -> succeeded, one transfer, no refund.
@@ -490,7 +490,7 @@ class Demo:
             "Nothing here can be settled by a rule: the beneficiary was paid twice, and whether to recall the "
             "second payout, or to keep it and charge again, is a business decision. The service records the "
             "break and leaves the payment indeterminate; a person asks the rail for a recall of the duplicate "
-            f"({again.json().get('id')}) and settles the payment by the book. See docs/runbook-indeterminate.md.",
+            f"({again.json().get('id')}) and settles the payment by the book. See docs/reference/runbook-indeterminate.md.",
             title="why it is not auto-corrected", border_style="yellow"))
         console.print(self.checks.table("(c) checked", since=start))
 

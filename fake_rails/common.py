@@ -10,7 +10,7 @@ matter to a caller trying to move money exactly once:
   ignores keys, as real legacy rails do);
 * records live in PostgreSQL, so a restarted fake still knows every key;
 * a fault plan, set over HTTP, makes the next matching calls fail the way real
-  networks and providers fail (see docs/fake-rails.md);
+  networks and providers fail (see docs/reference/fake-rails.md);
 * every request to a business endpoint (`/v1/...`) is logged, in PostgreSQL
   too, so a test can assert what a caller asked and in which order ("probed,
   then sent nothing"): `GET /_admin/requests`.

@@ -10,7 +10,7 @@ Idempotency-Key as the attempt it repeats. Getting that right is the client's
 job, and it is where clients usually fail: `client.py` explains each rule and
 the failure it prevents, `store.py` why the key is written to disk before the
 first attempt, and `buggy.py` is the counter-example (a fresh key per retry).
-docs/client.md has the whole story and the demos that exercise it.
+docs/reference/client.md has the whole story and the demos that exercise it.
 """
 
 from payments_client.buggy import buggy_pay

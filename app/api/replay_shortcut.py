@@ -8,7 +8,7 @@ when things go wrong (clients retry when they are slow to hear back), and it
 needs no decision: one read, then the stored response, byte for byte. So it
 is answered here, with the same read and the same rules as the full path, at
 well under half the CPU of going through FastAPI's routing, dependency
-solving and SQLAlchemy (docs/performance.md).
+solving and SQLAlchemy (docs/reference/performance.md).
 
 The rule that keeps it safe: the shortcut answers only when it is sure, and
 hands everything else, untouched, to the full path.

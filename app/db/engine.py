@@ -7,7 +7,7 @@ and what they stored under this key (`app.idempotency.store.load_caller`).
 A retry of a finished payment is answered from that read alone, so its cost
 is the cost of a replay; run on asyncpg directly it takes well under half the
 CPU that SQLAlchemy's execution machinery adds around it
-(docs/performance.md). It is a single SELECT: no transaction, nothing to
+(docs/reference/performance.md). It is a single SELECT: no transaction, nothing to
 commit, and the connection is back in the pool when it returns.
 """
 

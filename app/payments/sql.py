@@ -28,7 +28,7 @@ it names, so the copies cannot drift apart.
 
 Why fold: one round trip per phase instead of five (BEGIN, key row, payment
 row, ledger, COMMIT), which is most of the difference between this service and
-its unsafe twin (docs/performance.md). The durable facts and the fencing are
+its unsafe twin (docs/reference/performance.md). The durable facts and the fencing are
 exactly those of a phase written as separate statements in a transaction.
 """
 

@@ -57,7 +57,7 @@ class Payment(Protocol):
     beneficiary_iban: str
     beneficiary_name: str
 
-# Refusals both fakes document as "nothing was recorded" (docs/fake-rails.md):
+# Refusals both fakes document as "nothing was recorded" (docs/reference/fake-rails.md):
 # rate limited, an invalid request, a refund of an unknown charge, a refund
 # the charge cannot cover. A 422 is deliberately not here: it says our key is
 # already stored, with another body.
