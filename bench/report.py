@@ -294,7 +294,7 @@ def print_ceiling(results: dict[str, Any]) -> None:
 
 
 def print_targets(results: dict[str, Any]) -> None:
-    table = Table(title="Targets (issue 5), each measured as a ratio in this run", title_justify="left")
+    table = Table(title="Targets, each measured as a ratio in this run", title_justify="left")
     table.add_column("workers")
     table.add_column("target")
     table.add_column("goal", justify="right")

@@ -5,10 +5,10 @@ the same five steps with no keys, no phases, no fencing) run side by side on
 this machine, against the same PostgreSQL, fake PSP and fake rail. The bench
 drives each in turn with the same load and prints ratios, because only
 ratios measured in one run mean anything: runs of one configuration differ by
-15-25% from one minute to the next (../shared/PERFORMANCE.md), and a figure
+15-25% from one minute to the next (docs/reference/performance.md), and a figure
 from another machine or another day is not comparable at all.
 
-The figures, and why each matters (issue 5 sets four targets, in the "targets" table):
+The figures, and why each matters (four of them have targets, in the "targets" table):
 
 new payments/s and p50 / p99 latency, phased vs naive, and their ratio
     The price of safety. The phased service does more per payment (a key

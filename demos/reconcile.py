@@ -1,7 +1,7 @@
 """`python -m demos.reconcile` (`make demo-reconcile`): indeterminate payouts, settled by the statement.
 
-Seed 000's flow ends in a branch this demo walks down: the outcome of a
-payout is unknown, "idempotent retry possible?" is NO (the beneficiary's bank
+This demo walks down the last branch of recovery: the outcome of a
+payout is unknown, and an idempotent retry is not possible (the beneficiary's bank
 sits behind a legacy rail: no idempotency keys, no status probe), so the
 payment is parked as `indeterminate` and reconciliation against the rail's
 statement settles it. See docs/reconciliation.md and docs/reference/runbook-indeterminate.md.
@@ -177,7 +177,7 @@ class Demo:
             "Rail.deduplicates() is False and the runner sends such a transfer [bold]once[/] "
             "(runner._call_once). If the answer is lost, no retry and no probe can learn more: the payment "
             "is parked as [bold]indeterminate[/] at once (runner._give_up(final=True)), and only the rail's "
-            "statement can settle it.\nSeed 000: idempotent retry possible? [bold]NO[/] -> reconcile.",
+            "statement can settle it.\nIdempotent retry possible? [bold]NO[/] -> reconcile.",
             title="the legacy path", border_style="blue"))
         self.checks.check("rail config: legacy account, no cut-off", ([LEGACY_IBAN], None),
                           (config.get("legacy_accounts"), config.get("cutoff")))

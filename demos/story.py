@@ -2,7 +2,7 @@
 
 `run_point` is shared by `demos.crash` (which shows every step) and
 `demos.crash_all` (which writes each story to a file and prints a summary).
-The steps are the brief of the crash matrix in tests/crash, told for a person:
+The steps are those of the crash matrix in tests/crash, told for a person:
 
     1. an API process started with PAYMENTS_CRASH_AT=<point> and a 2 s lease
     2. one payment through PaymentsClient: the API dies mid-request (exit 137)

@@ -1,4 +1,4 @@
-"""A small client for the payments API that behaves the way the seed asks.
+"""A small client for the payments API that behaves the way a client must (docs/reference/client.md).
 
     from payments_client import PaymentsClient
 

@@ -1,6 +1,6 @@
 """`PaymentsClient.pay`: one logical payment, however many attempts it takes.
 
-Each rule below prevents a failure that a crash test or the seed names:
+Each rule below prevents a failure that a crash test names:
 
 1. **One key per logical operation, generated once (uuid4), before the first
    attempt.** A key minted inside the retry loop makes every retry a new

@@ -3,10 +3,9 @@
 Why it exists: an Idempotency-Key protects a payment only if the *same* key
 comes back on every retry, including a retry made by a client process that
 crashed and restarted. A key held only in memory dies with the process; the
-restarted client would mint a new one and the server would see a new payment
-(the seed: "persist it alongside the pending request in the client's own
-store. A client that crashes and restarts must be able to recover the same
-key").
+restarted client would mint a new one and the server would see a new payment.
+So the key is kept beside the pending request in the client's own store, and
+a client that crashes and restarts recovers it.
 
 Why it is written the way it is: the file is replaced atomically (write a
 temporary file in the same directory, fsync it, `os.replace` it over the old

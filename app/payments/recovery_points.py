@@ -4,13 +4,13 @@ These strings are stored in `idempotency_key.recovery_point`; renaming one
 needs a migration. Each names what is already true, never what is about to
 happen, so a resumer reading it knows exactly which work it must not repeat.
 
-The seed's full sequence is H1_DONE, EXT1_SENT, EXT1_DONE, H2_DONE, EXT2_SENT,
-EXT2_DONE, finished. Here a phase commits a call's outcome, the next handler's
+Written out one fact per commit, the sequence would be H1_DONE, EXT1_SENT,
+EXT1_DONE, H2_DONE, EXT2_SENT, EXT2_DONE, finished. Here a phase commits a call's outcome, the next handler's
 work and the next call's intent in one transaction, because nothing external
 happens between them. So H1_DONE is never observed without EXT1_SENT;
 EXT1_DONE and H2_DONE arrive together with EXT2_SENT (or, for a decline, with
 finished); and EXT2_DONE arrives together with finished (or, for a rejection,
-with EXT3_SENT). Three commits carry the same facts the seed's seven would, and
+with EXT3_SENT). Three commits carry the same facts those seven would, and
 a crash between any two of them leaves one of the points below.
 
     EXT1_SENT  the payment row exists with its fee, and the PSP charge with

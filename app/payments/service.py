@@ -1,6 +1,6 @@
 """Submitting a payment: the key protocol's decision, then the runner.
 
-This is the response matrix of seed 001, in the order it is decided:
+This is the response matrix (docs/response-matrix.md), in the order it is decided:
 
     new key                            -> handler1, then drive    -> 201 (or 202)
     key exists, different fingerprint  -> 422 idempotency-key-reused

@@ -3,8 +3,7 @@
 When a payout's outcome could not be learned (a legacy rail timed out or lost
 its response, and it can neither be probed nor safely sent again), the payment
 is parked as `indeterminate`. The rail's daily statement is the ground truth
-that settles it, as in seed 000's flow ("still not cancelled -> idempotent
-retry possible? NO -> reconcile"):
+that settles it: when an idempotent retry is not possible, reconcile:
 
     booked once, amount matches         -> Handler3 runs: succeeded, response stored
     absent, and the statements that

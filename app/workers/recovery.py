@@ -1,7 +1,6 @@
 """The recovery worker: finds operations that nobody is driving, and drives them.
 
-It is the seed's "background recovery worker [that] does exactly the same
-thing on a schedule" as a client retry: it sweeps the key table for started
+It does on a schedule exactly what a client retry does: it sweeps the key table for started
 operations with no live lease (their owner died, or released them after an
 unknown outcome), takes each over with the same conditional UPDATE a retry
 uses, and resumes it through the same runner. Whichever gets there first, the

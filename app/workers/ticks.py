@@ -1,6 +1,6 @@
 """Durable scheduler ticks: a job runs once per intended UTC window, whoever tries.
 
-Seed 002: "job name + intended UTC window -> unique execution record". Every
+A job name and its intended UTC window make a unique execution record. Every
 worker replica may try to claim a window; the primary key (job, window_start)
 lets exactly one insert win. A run holds a lease, like an operation does: if
 it dies halfway, its row stays `started` until the lease expires and the next

@@ -1,4 +1,4 @@
-"""Seed 001's test: fire the same request 100 times at once, at two API processes.
+"""The classic test: fire the same request 100 times at once, at two API processes.
 
 The processes share one database and nothing else, so the only thing that can
 make them agree is the database: the key INSERT's unique constraint and the

@@ -1,4 +1,4 @@
-"""The response matrix of seed 001, row by row, against real processes.
+"""The response matrix (docs/response-matrix.md), row by row, against real processes.
 
 Each test drives the API over HTTP and then reads the evidence: the key row,
 the payment row, the ledger, and the fake PSP's and rail's own tables. An HTTP
