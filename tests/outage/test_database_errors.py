@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from app.config import Settings, asyncpg_url
 from app.db.errors import database_unavailable, describe
 from app.main import create_app
-from app.processes import free_port
+from devtools.processes import free_port
 from tests.support import payment_body
 
 

@@ -19,7 +19,7 @@ import uuid
 import asyncpg
 import httpx
 
-from app import embedded_db
+from devtools import embedded_db
 from tests.conftest import Process, make_client
 from tests.support import claimed, headers, key_row, payment_body, unbalanced_payments, until
 

@@ -1,4 +1,4 @@
-"""Dependencies point one way, and no module cycle hides anywhere: checked on every `make test`.
+"""Dependencies point one way, no module cycle hides anywhere, and the service imports no dev tooling: checked on every `make test`.
 
 The contracts live in pyproject.toml ([tool.importlinter]): api -> payments ->
 (idempotency, ledger, rails, db), workers beside api, nothing importing back

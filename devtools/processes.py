@@ -1,0 +1,193 @@
+"""Development tooling, not the payment path: the one process harness.
+
+Used by `payments run` (devtools/run.py), the tests (tests/conftest.py), the
+demos (demos/system.py) and the bench (bench/system.py), which all start the
+fake PSP, the fake rail, API processes and workers as real processes. Nothing
+in app/ imports it.
+
+A `Process` is one of them: started, and waited for until it is up (its
+/healthz answers, or, for the worker, its log says "worker started"), then
+stopped (SIGTERM, then SIGKILL after a grace) or killed. Its environment is
+explicit (`child_env`): a few of the caller's variables that a program needs
+to run at all, plus the settings the harness chooses, so a PAYMENTS_CRASH_AT
+or a LEASE_SECONDS exported in the caller's shell never changes a test.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+# The virtualenv's scripts: payments, fake-psp, fake-rail.
+BIN = Path(sys.executable).parent
+
+# What a child may inherit from the caller: what it needs to run (find
+# programs, a home, a locale, a temporary directory, certificates) and
+# PYTHONPATH (`make mutants` points it at a mutated copy of the code). None of
+# the service's settings: those the harness sets itself.
+INHERITED = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH",
+             "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+INHERITED_PREFIXES = ("LC_",)
+
+
+def child_env(**settings: str) -> dict[str, str]:
+    """An explicit environment: the allow-listed variables of ours, plus `settings`."""
+    inherited = {
+        name: value for name, value in os.environ.items()
+        if name in INHERITED or name.startswith(INHERITED_PREFIXES)
+    }
+    return inherited | settings
+
+
+class NotHealthy(Exception):
+    """The process exited, or did not become ready in time."""
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def answers_health(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_healthy(
+    name: str,
+    url: str,
+    child: subprocess.Popen,
+    *,
+    timeout: float = 30,
+    ready: Callable[[], bool] = lambda: True,
+) -> None:
+    """Poll `url`/healthz (and `ready`) until both say yes; bounded by `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise NotHealthy(f"{name} exited with code {child.returncode}")
+        if ready() and answers_health(url):
+            return
+        time.sleep(0.1)  # readiness polling, bounded by the deadline
+    raise NotHealthy(f"{name} did not become healthy at {url}")
+
+
+def stop_processes(*children: subprocess.Popen, grace: float = 10) -> None:
+    """Stop each child still running: SIGTERM, then SIGKILL if it has not exited within `grace` seconds.
+
+    SIGTERM first, and to all of them before waiting on any, so each gets the
+    full grace to let go of what it holds (a worker its leases, uvicorn's
+    master its workers).
+    """
+    running = [child for child in children if child.poll() is None]
+    for child in running:
+        child.terminate()
+    for child in running:
+        try:
+            child.wait(grace)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+@dataclass
+class Process:
+    """One process of the system, started and known to be up.
+
+    `port`: it serves HTTP there, and is up once /healthz answers 200 (and
+    `ready()` says yes, if given). `ready_line`: it is up once its log holds
+    that line (the worker's "worker started"). Neither: up once spawned.
+    `log`: where its output goes (appended); None leaves it on our terminal.
+    """
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path | None = None
+    port: int | None = None
+    ready_line: str | None = None
+    ready: Callable[[], bool] | None = None
+    timeout: float = 30
+    grace: float = 10
+    popen: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None, f"{self.name} was never started"
+        return self.popen.pid
+
+    def start(self) -> Process:
+        """Spawn it and wait until it is up; NotHealthy (with its log's tail) if it is not."""
+        if self.log is None:
+            self.popen = subprocess.Popen(self.argv, env=self.env)
+        else:
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            with self.log.open("ab") as log:
+                self.popen = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL)
+        try:
+            if self.port is not None:
+                wait_healthy(self.name, self.url, self.popen, timeout=self.timeout, ready=self.ready or (lambda: True))
+            elif self.ready_line is not None:
+                self._wait_for_line(self.ready_line)
+        except NotHealthy as exc:
+            tail = self.tail(20)
+            raise NotHealthy(f"{exc}" + (f":\n{tail}" if tail else "")) from None
+        return self
+
+    def _wait_for_line(self, line: str) -> None:
+        assert self.log is not None, "a ready line needs a log to look in"
+        deadline = time.monotonic() + self.timeout
+        while line not in self.log.read_text(errors="replace"):
+            if self.popen.poll() is not None:
+                raise NotHealthy(f"{self.name} exited with code {self.popen.returncode} before logging {line!r}")
+            if time.monotonic() > deadline:
+                raise NotHealthy(f"{self.name} did not log {line!r} within {self.timeout:.0f} s")
+            time.sleep(0.02)  # readiness polling, bounded by the deadline
+
+    @property
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def wait(self, timeout: float = 10) -> int | None:
+        """Its exit code once it exits; None if it is still running after `timeout` seconds."""
+        try:
+            return self.popen.wait(timeout) if self.popen else None
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within its grace."""
+        if self.popen:
+            stop_processes(self.popen, grace=self.grace)
+
+    def kill(self) -> None:
+        """SIGKILL, no grace (a crash, or a test's quick clean-up)."""
+        if self.running:
+            self.popen.kill()
+            self.popen.wait(10)
+
+    def tail(self, lines: int = 3) -> str:
+        """The last `lines` lines of its log ("" if it has none)."""
+        if self.log is None:
+            return ""
+        try:
+            return "\n".join(self.log.read_text(errors="replace").strip().splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""

@@ -1,0 +1,239 @@
+"""Development tooling, not the payment path: the one way to start the system on one machine.
+
+Used by `payments run` (devtools/run.py), the tests (tests/conftest.py and
+tests/outage/conftest.py), the demos (demos/system.py) and the bench
+(bench/system.py). The parts, each of which can be started alone, in the
+order they depend on each other:
+
+1. a PostgreSQL server: DATABASE_URL's, else the embedded one
+   (devtools/embedded_db.py), stopped at the end only if this started it;
+2. a database on it: a fresh one of a given name (dropped and created), or
+   an existing one (`make run` keeps its data), brought to the newest
+   migration;
+3. a client and its API key;
+4. the fake PSP and the fake rail;
+5. API processes (`payments api`, or `payments naive-api`) and workers.
+
+`System.stop` (or leaving the `with` block) stops everything it started, in
+reverse, however the block ends. Every process gets an explicit environment
+(devtools/processes.py::child_env plus the settings given here), unless the
+caller passes its own (`payments run` hands its children the user's
+environment, as the README's settings table says).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from app.cli import create_client, migrate_database
+from app.config import libpq_url
+from devtools import embedded_db
+from devtools.processes import BIN, Process, child_env, free_port
+
+WORKER_STARTED = "worker started"  # what app/workers/process.py logs once it is up
+
+
+def with_database(url: str, name: str) -> str:
+    """`url` pointing at database `name` (query parameters kept)."""
+    parts = urlsplit(libpq_url(url))
+    return urlunsplit(parts._replace(path="/" + name))
+
+
+def off_loop(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call `fn` in a thread of its own.
+
+    The database helpers run their own event loop (asyncio.run), which cannot
+    nest inside a running one (pytest-asyncio's, in the tests).
+    """
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
+
+
+@dataclass
+class Postgres:
+    """A PostgreSQL server: `url` names its maintenance database (`postgres`)."""
+
+    url: str
+    embedded: embedded_db.EmbeddedServer | None  # None: DATABASE_URL's server
+    started: bool  # this process started it (so it stops it)
+
+    def database_url(self, name: str) -> str:
+        return with_database(self.url, name)
+
+    @property
+    def bin_dir(self) -> Path | None:
+        """The PostgreSQL tools matching the server (the embedded one's); None for DATABASE_URL's."""
+        return self.embedded.bin_dir if self.embedded else None
+
+
+class System:
+    """The system's parts, started one by one, stopped together in reverse.
+
+    `logs`: a directory for each process's output; None leaves it on the
+    terminal (`payments run`). `settings`: environment settings every
+    service process (API, worker) gets. `environ`: the environment they
+    start from; by default an explicit one (processes.py::child_env).
+    """
+
+    def __init__(self, logs: Path | None = None, *, settings: dict[str, str] | None = None,
+                 environ: dict[str, str] | None = None) -> None:
+        self.logs = logs
+        self.settings = dict(settings or {})
+        self.environ = environ
+        self.postgres: Postgres | None = None
+        self.database_url = ""
+        self.psp: Process | None = None
+        self.rail: Process | None = None
+        self.processes: list[Process] = []
+        self._exit = ExitStack()
+
+    # -- the parts ------------------------------------------------------------
+
+    def start_postgres(self, embedded: embedded_db.EmbeddedServer | None = None, *, server_url: str | None = None,
+                       keep_running: Callable[[Postgres], bool] = lambda _: False) -> Postgres:
+        """The server at `server_url` (default: DATABASE_URL's), else `embedded`
+        (default: embedded_db.default_server()).
+
+        An embedded server this call started is stopped at the end, unless
+        `keep_running` says otherwise then (someone else is using it).
+        """
+        url = None if embedded else (server_url or os.environ.get("DATABASE_URL"))
+        if url:
+            self.postgres = Postgres(with_database(url, "postgres"), None, started=False)
+            return self.postgres
+        server = embedded or embedded_db.default_server()
+        started = embedded_db.start(server)
+        self.postgres = postgres = Postgres(server.url(), server, started)
+
+        def stop() -> None:
+            if postgres.started and not keep_running(postgres):
+                embedded_db.stop(server)
+
+        self._exit.callback(stop)
+        return postgres
+
+    def create_database(self, name: str, *, fresh: bool = True, drop_at_end: bool = False,
+                        migrate: bool = True) -> str:
+        """Database `name` on the server (dropped and created if `fresh`); its URL.
+
+        Migrated, it becomes the service's database (`database_url`); not
+        migrated, it is for something else (the fakes' records, say).
+        """
+        assert self.postgres is not None, "start_postgres first"
+        off_loop(embedded_db.create_database, self.postgres.url, name, recreate=fresh)
+        if drop_at_end:
+            self.defer(off_loop, embedded_db.drop_database, self.postgres.url, name)
+        url = self.postgres.database_url(name)
+        return self.use_database(url) if migrate else url
+
+    def use_database(self, url: str) -> str:
+        """An existing database (`make run`'s), migrated to the newest revision; its URL."""
+        off_loop(migrate_database, url)
+        self.database_url = url
+        return url
+
+    def create_client(self, name: str, api_key: str | None = None) -> tuple[int, str]:
+        """A client of the service; its id and API key."""
+        return off_loop(create_client, self.database_url, name, api_key)
+
+    def start_fakes(self, *, records_url: str | None = None, psp_port: int | None = None,
+                    rail_port: int | None = None, rail_args: Iterable[str] = ()) -> tuple[Process, Process]:
+        """The fake PSP and the fake rail (`rail_args` e.g. --legacy-accounts, --cutoff); they become
+        this system's `psp` and `rail`, which its API processes and workers call."""
+        self.psp = self.spawn(self.fake_process("psp", port=psp_port, records_url=records_url))
+        self.rail = self.spawn(self.fake_process("rail", *rail_args, port=rail_port, records_url=records_url))
+        return self.psp, self.rail
+
+    def start_fake(self, kind: str, *args: str, port: int | None = None, records_url: str | None = None) -> Process:
+        """One more `fake-psp` or `fake-rail` (`kind` "psp" or "rail"); see fake_process."""
+        return self.spawn(self.fake_process(kind, *args, port=port, records_url=records_url))
+
+    def start_api(self, name: str = "api", *, port: int | None = None, command: str = "api",
+                  args: Iterable[str] = (), **settings: str) -> Process:
+        """`payments api` (or `command="naive-api"`), up once /healthz answers."""
+        return self.spawn(self.api_process(name, port=port, command=command, args=args, **settings))
+
+    def start_worker(self, name: str = "worker", **settings: str) -> Process:
+        """`payments worker`, up once it logs that it started (with no log to read: once spawned).
+
+        From that line on its signal handlers are installed: a SIGTERM stops
+        it cleanly (exit 0). Before it, a SIGTERM kills it outright.
+        """
+        return self.spawn(self.worker_process(name, **settings))
+
+    # -- the processes, before they start (start them with `spawn`) -----------
+
+    def fake_process(self, kind: str, *args: str, port: int | None = None, records_url: str | None = None) -> Process:
+        """`fake-psp` or `fake-rail` (`kind` "psp" or "rail") on `port` (default: a free one),
+        keeping its records in `records_url`, else in the service's database."""
+        if records_url:
+            env = self._base() | {"FAKE_RAILS_DATABASE_URL": records_url}
+        else:
+            env = self._base() | {"DATABASE_URL": self.database_url}
+        port = port or free_port()
+        name = f"fake-{kind}"
+        return Process(name, [str(BIN / name), "--port", str(port), *args], env, self.log_for(name, port), port)
+
+    def api_process(self, name: str = "api", *, port: int | None = None, command: str = "api",
+                    args: Iterable[str] = (), **settings: str) -> Process:
+        """`payments <command> --port <port> <args>` with service_env(**settings)."""
+        port = port or free_port()
+        argv = [str(BIN / "payments"), command, "--port", str(port), *args]
+        return Process(name, argv, self.service_env(**settings), self.log_for(name, port), port)
+
+    def worker_process(self, name: str = "worker", **settings: str) -> Process:
+        """`payments worker` with service_env(**settings)."""
+        log = self.log_for(name, len(self.processes))
+        return Process(name, [str(BIN / "payments"), "worker"], self.service_env(**settings), log,
+                       ready_line=WORKER_STARTED if log else None)
+
+    def service_env(self, **settings: str) -> dict[str, str]:
+        """The environment of a service process: the database, the fakes, this system's settings, `settings`."""
+        env = self._base() | {"DATABASE_URL": self.database_url}
+        if self.psp is not None:
+            env["PSP_URL"] = self.psp.url
+        if self.rail is not None:
+            env["RAIL_URL"] = self.rail.url
+        return env | self.settings | settings
+
+    # -- bookkeeping ----------------------------------------------------------
+
+    def spawn(self, process: Process) -> Process:
+        """Start `process` (waiting until it is up); it is stopped with the system."""
+        self.processes.append(process)
+        self._exit.callback(process.stop)
+        return process.start()
+
+    def defer(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Call `fn(*args)` when the system stops (in reverse order with the rest)."""
+        self._exit.callback(fn, *args)
+
+    def log_for(self, name: str, n: int) -> Path | None:
+        return None if self.logs is None else self.logs / f"{name}-{n}.log"
+
+    def scope(self, logs: Path | None = None) -> System:
+        """A system on this one's database and fakes, with its settings, owning only what it starts itself."""
+        scoped = System(logs if logs is not None else self.logs, settings=self.settings, environ=self.environ)
+        scoped.postgres, scoped.database_url, scoped.psp, scoped.rail = (
+            self.postgres, self.database_url, self.psp, self.rail)
+        return scoped
+
+    def _base(self) -> dict[str, str]:
+        return dict(self.environ) if self.environ is not None else child_env()
+
+    def stop(self) -> None:
+        """Stop every process, drop what is to be dropped, stop the server: in reverse, all of it."""
+        self._exit.close()
+
+    def __enter__(self) -> System:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,67 @@
+"""The processes the tests, the demos and the bench start get an explicit environment.
+
+A PAYMENTS_CRASH_AT, a LEASE_SECONDS or a DATABASE_URL exported in the
+caller's shell must not change what a test's API or worker does: the harness
+(devtools/processes.py::child_env, devtools/system.py::System.service_env)
+passes on only what a program needs to run, plus the settings it chooses.
+"""
+
+from __future__ import annotations
+
+import os
+
+from devtools.processes import child_env
+from devtools.system import System
+from tests.conftest import TEST_SETTINGS, service_setting_names
+
+CALLERS = {
+    "LEASE_SECONDS": "1",
+    "PAYMENTS_CRASH_AT": "after-call-EXT1",
+    "MAX_ATTEMPTS": "1",
+    "PSP_URL": "http://127.0.0.1:1",
+    "DATABASE_URL": "postgresql://someone@elsewhere/theirs",
+    "FAKE_RAILS_DATABASE_URL": "postgresql://someone@elsewhere/records",
+}
+
+
+def test_an_api_started_by_the_harness_does_not_inherit_the_callers_settings(monkeypatch, tmp_path):
+    for name, value in CALLERS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/mutated")  # `make mutants` relies on it passing through
+    system = System(tmp_path, settings=TEST_SETTINGS)
+    system.database_url = "postgresql://postgres@127.0.0.1:5432/payments_test"
+
+    api = system.api_process("api", LEASE_SECONDS="7")
+    worker = system.worker_process("worker")
+    psp = system.fake_process("psp")
+
+    assert api.env["LEASE_SECONDS"] == "7", "what the harness sets, it sets"
+    assert "PAYMENTS_CRASH_AT" not in api.env and "MAX_ATTEMPTS" not in api.env and "PSP_URL" not in api.env
+    assert api.env["DATABASE_URL"] == system.database_url
+    assert api.env["PSP_TIMEOUT_SECONDS"] == TEST_SETTINGS["PSP_TIMEOUT_SECONDS"]
+    for name in ("LEASE_SECONDS", "PAYMENTS_CRASH_AT", "MAX_ATTEMPTS", "PSP_URL"):
+        assert name not in worker.env and name not in psp.env, name
+    assert "FAKE_RAILS_DATABASE_URL" not in psp.env and psp.env["DATABASE_URL"] == system.database_url
+    for env in (api.env, worker.env, psp.env):
+        assert env["PYTHONPATH"] == "/somewhere/mutated"
+        assert env["PATH"] == os.environ["PATH"]
+
+
+def test_the_explicit_environment_is_an_allow_list(monkeypatch):
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    monkeypatch.setenv("SOME_TOKEN", "secret")
+    monkeypatch.setenv("LEASE_SECONDS", "1")
+
+    env = child_env(DATABASE_URL="postgresql://postgres@127.0.0.1/x")
+
+    assert env["LC_ALL"] == "C.UTF-8"
+    assert "SOME_TOKEN" not in env and "LEASE_SECONDS" not in env
+    assert env["DATABASE_URL"] == "postgresql://postgres@127.0.0.1/x"
+
+
+def test_the_test_session_does_not_read_the_callers_service_settings():
+    # tests/conftest.py::no_caller_settings took them out of os.environ for
+    # the session, so a Settings(...) built in this process reads none.
+    assert service_setting_names(os.environ) == []
+    assert set(service_setting_names({"lease_seconds": "1", "PAYMENTS_CRASH_AT": "x", "PATH": "/bin"})) == {
+        "lease_seconds", "PAYMENTS_CRASH_AT"}
