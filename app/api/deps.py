@@ -37,7 +37,9 @@ _KEY_HEADER = Header(
 )
 
 
-def get_services(request: Request) -> Services:
+async def get_services(request: Request) -> Services:
+    # async, though it awaits nothing: FastAPI runs a plain `def` dependency
+    # in a thread pool, a thread hand-off on every request for one attribute.
     return request.app.state.services
 
 
