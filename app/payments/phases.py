@@ -49,6 +49,16 @@ ENDPOINT = "POST /v1/payments"
 # Every final outcome, good or bad, is a payment resource that now exists, so
 # it is answered 201 Created; its `status` says how it ended.
 FINAL_STATUS_CODE = 201
+# A stored response is replayed byte for byte, so it is kept whole, never
+# truncated; and the key table must not become a store of blobs. A payment's
+# response is well under 2 KiB even with every field at its longest
+# (tests/unit/test_stored_response_cap.py); a larger one is a bug, refused
+# before it is stored. The database refuses it too (migration 0005).
+MAX_STORED_RESPONSE_BYTES = 4096
+
+
+class StoredResponseTooLarge(Exception):
+    """A bug: a final response over MAX_STORED_RESPONSE_BYTES. Nothing is stored; the payment is not finished."""
 
 
 @dataclass(frozen=True)
@@ -298,12 +308,21 @@ async def settle_parked(
 async def _finish(conn: AsyncConnection, op: Operation, statement, final: Payment, *, event: str, **values: Any) -> Operation:
     # The response is built from the payment as it will be after this commit
     # (`final`), and stored by the same statement that makes it so.
-    body = PaymentView.of(final).body()
+    body = stored_body(final)
     payment = await _fenced(
         conn, statement, op,
         recovery_point=FINISHED, response_code=FINAL_STATUS_CODE, response_body=body, event=event, **values,
     )
     return replace(op, recovery_point=FINISHED, payment=payment, response=(FINAL_STATUS_CODE, body))
+
+
+def stored_body(payment: Payment) -> str:
+    """The final response's body for `payment`, whole, or StoredResponseTooLarge."""
+    body = PaymentView.of(payment).body()
+    size = len(body.encode())
+    if size > MAX_STORED_RESPONSE_BYTES:
+        raise StoredResponseTooLarge(f"a {size}-byte response for payment {payment.id}; the cap is {MAX_STORED_RESPONSE_BYTES}")
+    return body
 
 
 async def _fenced(conn: AsyncConnection, statement, op: Operation, **params: Any) -> Payment:

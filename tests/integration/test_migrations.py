@@ -88,3 +88,46 @@ async def test_0004_keeps_every_key_row_and_marks_none_as_not_sent(scratch):
         ), "the concurrently built index is valid"
     finally:
         await conn.close()
+
+
+async def test_0005_keeps_every_key_row_caps_stored_responses_and_indexes_payment_id(scratch):
+    await migrate(scratch, "0004")
+    conn = await asyncpg.connect(scratch)
+    try:
+        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
+        payment_id = uuid.uuid4()
+        await conn.execute(
+            "INSERT INTO payment (id, client_id, reference, amount_minor, currency, fee_minor, net_minor, "
+            "card_token, beneficiary_name, beneficiary_iban, status) "
+            "VALUES ($1, $2, 'order-1', 1250, 'EUR', 43, 1207, 'tok_visa', 'Ada', 'DE89370400440532013000', "
+            "'succeeded')",
+            payment_id, client,
+        )
+        await conn.execute(
+            "INSERT INTO idempotency_key (client_id, key, endpoint, request_hash, state, recovery_point, "
+            "payment_id, response_code, response_body) "
+            "VALUES ($1, 'k', 'POST /v1/payments', 'x', 'finished', 'finished', $2, 201, $3)",
+            client, payment_id, '{"id": "a stored response of a realistic size"}' + " " * 900,
+        )
+        before = await conn.fetch("SELECT * FROM idempotency_key")
+    finally:
+        await conn.close()
+
+    await migrate(scratch, "head")
+
+    conn = await asyncpg.connect(scratch)
+    try:
+        assert [dict(r) for r in await conn.fetch("SELECT * FROM idempotency_key")] == [dict(r) for r in before]
+        validated = await conn.fetchval(
+            "SELECT convalidated FROM pg_constraint WHERE conname = 'idempotency_key_response_body_capped'"
+        )
+        assert validated, "the cap holds for the rows already there, not only new ones"
+        assert await conn.fetchval(
+            "SELECT indisvalid FROM pg_index WHERE indexrelid = 'idempotency_key_payment_id'::regclass"
+        )
+        with pytest.raises(asyncpg.CheckViolationError):
+            await conn.execute(
+                "UPDATE idempotency_key SET response_body = $1 WHERE key = 'k'", "x" * 4097
+            )
+    finally:
+        await conn.close()
