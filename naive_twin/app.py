@@ -36,6 +36,7 @@ from app.idempotency.keys import end_to_end_reference
 from app.ledger import postings
 from app.main import NO_TELEMETRY
 from app.payments.models import Payment, PaymentRequest, PaymentView, fee_for
+from app.payments.phases import new_payment_id
 from app.rails.outcomes import Applied
 from app.services import open_services
 
@@ -108,7 +109,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Each write commits on its own, as naive code does: a crash in
         # between leaves whatever happened to be written so far.
         payment = await one_statement(
-            engine, _one, _INSERT, id=uuid.uuid4(), client_id=client_id, reference=body.reference,
+            engine, _one, _INSERT, id=new_payment_id(), client_id=client_id, reference=body.reference,
             amount=body.amount, currency=body.currency, fee=fee, net=body.amount - fee, card_token=body.card_token,
             beneficiary_name=body.beneficiary.name, beneficiary_iban=body.beneficiary.iban,
         )

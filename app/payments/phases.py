@@ -31,6 +31,7 @@ from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
+from uuid6 import uuid7
 
 from app.idempotency import store as keys
 from app.idempotency.keys import derived_key, end_to_end_reference
@@ -55,6 +56,14 @@ FINAL_STATUS_CODE = 201
 # (tests/unit/test_stored_response_cap.py); a larger one is a bug, refused
 # before it is stored. The database refuses it too (migration 0005).
 MAX_STORED_RESPONSE_BYTES = 4096
+
+
+def new_payment_id() -> uuid.UUID:
+    """A time-ordered id (UUIDv7): new payments land at the right-hand edge of the
+    primary key's index instead of on a random page of it, which keeps the index
+    compact and writes fewer pages, and less WAL, per payment
+    (docs/reference/performance.md has the measurement)."""
+    return uuid7()
 
 
 class StoredResponseTooLarge(Exception):
@@ -105,7 +114,7 @@ async def handler1(
                 sql.HANDLER1,
                 dict(
                     client_id=client_id, key=key, endpoint=ENDPOINT, request_hash=request_hash,
-                    recovery_point=EXT1_SENT, payment_id=uuid.uuid4(), lease_seconds=lease_seconds,
+                    recovery_point=EXT1_SENT, payment_id=new_payment_id(), lease_seconds=lease_seconds,
                     reference=request.reference, amount=request.amount, currency=request.currency,
                     fee=fee, net=request.amount - fee, card_token=request.card_token,
                     beneficiary_name=request.beneficiary.name, beneficiary_iban=request.beneficiary.iban,
