@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.telemetry import TelemetryConfig
+from fastapi_offline import FastAPIOffline
 
 from app.api import errors
 from app.api.body_limit import BodyLimit
@@ -26,6 +27,12 @@ Errors are `application/problem+json` (RFC 9457). Problem types:
 
 """ + "\n".join(f"- `{p.uri}` ({p.status}): {p.title}" for p in CATALOGUE.values())
 
+
+OPENAPI_TAGS = [
+    {"name": "payments", "description": "Create a payment, exactly once, and read it back."},
+    {"name": "idempotency keys", "description": "An operation's state machine row and timeline, for learners and operators."},
+    {"name": "meta", "description": "What a problem `type` means; whether the service can reach its database."},
+]
 
 # FastAPI looks for OpenTelemetry providers on every request (it reads the
 # environment each time); this service exports none, so the look is switched
@@ -51,12 +58,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 # the engine is disposed (app/api/in_flight.py).
                 await in_flight.settle()
 
-    app = FastAPI(
+    # FastAPI, with /docs (Swagger UI) and /redoc served from assets that
+    # ship in the fastapi-offline package: FastAPI's own pages load them from
+    # a CDN, and are blank on a machine with no internet.
+    app = FastAPIOffline(
         title="Exactly-once payments",
         version="0.1.0",
         description=DESCRIPTION,
         lifespan=lifespan,
         telemetry=NO_TELEMETRY,
+        openapi_tags=OPENAPI_TAGS,
     )
     errors.install(app)
     app.include_router(router)
@@ -74,16 +85,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Added last, so outermost: every request's task is known to the
     # lifespan's shutdown, which lets cancelled payments give their leases back.
     app.add_middleware(TrackInFlight, in_flight=in_flight)
-    _document_required_key(app)
+    _document_the_api_as_it_answers(app)
     return app
 
 
-def _document_required_key(app: FastAPI) -> None:
-    """Mark Idempotency-Key as required in the OpenAPI document.
+def _document_the_api_as_it_answers(app: FastAPI) -> None:
+    """Make the OpenAPI document say what the API really does.
 
-    The dependency declares it optional only so that a missing header is
-    answered with our own problem type (idempotency-key-missing) rather than a
-    generic validation error; for clients it is required.
+    - Idempotency-Key is required. The dependency declares it optional only
+      so that a missing header is answered with our own problem type
+      (idempotency-key-missing) rather than a generic validation error.
+    - No `HTTPValidationError`: FastAPI lists a 422 of that shape on every
+      operation with a parameter, but this API answers a malformed request
+      with a 400 problem+json (`/problems/invalid-request`), and uses 422 only
+      for a key reused with another body, which the operation documents.
     """
     build = app.openapi
 
@@ -95,6 +110,13 @@ def _document_required_key(app: FastAPI) -> None:
                     parameter["required"] = True
                     parameter["schema"] = {"type": "string", "minLength": 1, "maxLength": 255}
                     parameter["example"] = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    responses = operation.get("responses", {})
+                    if "HTTPValidationError" in str(responses.get("422", {}).get("content", {})):
+                        del responses["422"]
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -47,6 +47,7 @@ def _example(slug: str) -> dict[str, Any]:
     status_code=201,
     response_model=PaymentView,
     summary="Create a payment, exactly once",
+    tags=["payments"],
     description=(
         "Charges the card at the PSP and pays the net amount out over the rail. Safe to retry "
         "with the same `Idempotency-Key` and body: a finished payment is replayed byte for byte "
@@ -97,6 +98,7 @@ def final_response(outcome: Finished, *, replayed: bool) -> Response:
     "/v1/payments/{payment_id}",
     response_model=PaymentView,
     summary="A payment's current state",
+    tags=["payments"],
     responses={401: _problem_doc("unauthenticated"), 404: _problem_doc("not-found")},
 )
 async def get_payment(services: ServicesDep, client_id: ClientId, payment_id: str) -> PaymentView:
@@ -115,6 +117,7 @@ async def get_payment(services: ServicesDep, client_id: ClientId, payment_id: st
     "/v1/idempotency-keys/{key:path}",
     response_model=KeyView,
     summary="An operation's state machine row and timeline",
+    tags=["idempotency keys"],
     responses={401: _problem_doc("unauthenticated"), 404: _problem_doc("not-found")},
 )
 async def get_idempotency_key(services: ServicesDep, client_id: ClientId, key: str) -> KeyView:
