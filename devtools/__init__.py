@@ -3,7 +3,8 @@
 What `make run`, the tests, the demos and the bench share to start the system
 on one machine: an embedded PostgreSQL (embedded_db), the process harness
 (processes), the system's parts started in order and stopped in reverse
-(system), `payments run` itself (run), and the payment-body factory (bodies).
+(system), `payments run` itself (run), and the payment-body factory (bodies);
+nginx in front of several API replicas (nginx) and `make cluster` (cluster).
 The service (app/) never imports it; only `payments run` does, inside the
 command.
 """
