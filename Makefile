@@ -1,13 +1,16 @@
 # Two commands on a fresh machine with Python 3.11+ and make:
 #   make run    start the whole system (embedded PostgreSQL unless DATABASE_URL is set)
 #   make test   run the test suite against real PostgreSQL and real processes
+# With nginx installed (apt-get install nginx), docs/chaos.md:
+#   make cluster REPLICAS=3   the system with N API replicas and two workers behind nginx
+#   make soak                 a seeded chaos run through nginx, audited three ways
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test mutants bench lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash
+.PHONY: install run cluster soak test mutants bench lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash
 
 install: $(STAMP)
 
@@ -23,6 +26,23 @@ $(STAMP): pyproject.toml requirements.lock
 
 run: $(STAMP)
 	$(BIN)/payments run
+
+# nginx is the distribution's package; without it, say how to get it.
+REPLICAS ?= 3
+NGINX_CHECK = @command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx \
+	  || { echo "nginx is needed: apt-get install nginx"; exit 2; }
+
+cluster: $(STAMP)
+	$(NGINX_CHECK)
+	$(BIN)/python -m devtools.cluster --replicas $(REPLICAS)
+
+# A seeded chaos run (docs/chaos.md); non-zero exit on any violation.
+SEED     ?= 1
+PAYMENTS ?= 300
+SECONDS  ?= 60
+soak: $(STAMP)
+	$(NGINX_CHECK)
+	$(BIN)/python -m devtools.soak --seed $(SEED) --payments $(PAYMENTS) --seconds $(SECONDS) --replicas $(REPLICAS)
 
 test: $(STAMP)
 	$(BIN)/pytest

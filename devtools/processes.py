@@ -121,6 +121,8 @@ class Process:
     ready: Callable[[], bool] | None = None
     timeout: float = 30
     grace: float = 10
+    # Run it as this user (we are root and it should not be: nginx).
+    user: str | None = None
     popen: subprocess.Popen | None = None
 
     @property
@@ -135,12 +137,12 @@ class Process:
     def start(self) -> Process:
         """Spawn it and wait until it is up; NotHealthy (with its log's tail) if it is not."""
         if self.log is None:
-            self.popen = subprocess.Popen(self.argv, env=self.env)
+            self.popen = subprocess.Popen(self.argv, env=self.env, user=self.user)
         else:
             self.log.parent.mkdir(parents=True, exist_ok=True)
             with self.log.open("ab") as log:
                 self.popen = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL)
+                                              stdin=subprocess.DEVNULL, user=self.user)
         try:
             if self.port is not None:
                 wait_healthy(self.name, self.url, self.popen, timeout=self.timeout, ready=self.ready or (lambda: True))

@@ -44,7 +44,7 @@ def run(console: Console, api_port: int, psp_port: int, rail_port: int) -> None:
             console.print(f"PostgreSQL (embedded) at {url}" + ("" if postgres.started else " (already running)"))
         else:
             system.use_database(url)
-        api_key = _demo_api_key(url)
+        api_key = demo_api_key(url)
 
         try:
             system.start_fakes(psp_port=psp_port, rail_port=rail_port)
@@ -77,7 +77,7 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def _demo_api_key(url: str) -> str:
+def demo_api_key(url: str) -> str:
     """The demo client's key: kept in .data/ so the next `make run` prints the same one."""
     from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -107,17 +107,22 @@ def _demo_api_key(url: str) -> str:
 
 
 def _print_welcome(console: Console, api_port: int, psp_port: int, rail_port: int, api_key: str) -> None:
-    key = f"demo-{uuid.uuid4()}"
-    body = json.dumps(payment_body(f"order-{uuid.uuid4().hex[:8]}"))
     console.rule("[bold green]exactly-once payments is running")
     console.print(f"API        http://127.0.0.1:{api_port}   (OpenAPI UI: http://127.0.0.1:{api_port}/docs)")
     console.print(f"fake PSP   http://127.0.0.1:{psp_port}   (records: /_admin/charges)")
     console.print(f"fake rail  http://127.0.0.1:{rail_port}   (records: /_admin/transfers)")
     console.print("worker     the recovery worker resumes any payment whose owner died")
+    print_pay_once(console, f"http://127.0.0.1:{api_port}", api_key)
+
+
+def print_pay_once(console: Console, api_url: str, api_key: str) -> None:
+    """The demo client's key and a curl command that pays once through `api_url`; how to stop."""
+    key = f"demo-{uuid.uuid4()}"
+    body = json.dumps(payment_body(f"order-{uuid.uuid4().hex[:8]}"))
     console.print(f"API key    [bold]{api_key}[/]  (client 'demo')")
     console.print("\nPay once (paste it twice: the second answer is a replay, with Idempotent-Replayed: true):\n")
     console.print(
-        f"curl -sS -i -X POST http://127.0.0.1:{api_port}/v1/payments \\\n"
+        f"curl -sS -i -X POST {api_url}/v1/payments \\\n"
         f"  -H 'Authorization: Bearer {api_key}' \\\n"
         f"  -H 'Idempotency-Key: {key}' \\\n"
         f"  -H 'Content-Type: application/json' \\\n"

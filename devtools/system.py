@@ -12,7 +12,9 @@ order they depend on each other:
    migration;
 3. a client and its API key;
 4. the fake PSP and the fake rail;
-5. API processes (`payments api`, or `payments naive-api`) and workers.
+5. API processes (`payments api`, or `payments naive-api`) and workers;
+6. nginx in front of several API processes (devtools/nginx.py), for `make
+   cluster` and the chaos soak.
 
 `System.stop` (or leaving the `with` block) stops everything it started, in
 reverse, however the block ends. Every process gets an explicit environment
@@ -34,7 +36,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from app.cli import create_client, migrate_database
 from app.config import libpq_url
-from devtools import embedded_db
+from devtools import embedded_db, nginx
 from devtools.processes import BIN, Process, child_env, free_port
 
 WORKER_STARTED = "worker started"  # what app/workers/process.py logs once it is up
@@ -167,6 +169,13 @@ class System:
         it cleanly (exit 0). Before it, a SIGTERM kills it outright.
         """
         return self.spawn(self.worker_process(name, **settings))
+
+    def start_nginx(self, apis: Iterable[Process], directory: Path, *, port: int | None = None) -> Process:
+        """nginx on `port` (default: a free one) balancing over `apis`, its configuration,
+        pid and logs in `directory`; up once a request through it reaches a replica."""
+        log = None if self.logs is None else self.logs / "nginx.log"
+        return self.spawn(nginx.nginx_process(directory, port or free_port(), [a.port for a in apis],
+                                              self._base(), log))
 
     # -- the processes, before they start (start them with `spawn`) -----------
 

@@ -1,0 +1,96 @@
+"""Development tooling, not the payment path: `make cluster`, the system as several replicas behind nginx.
+
+`python -m devtools.cluster --replicas 3` (what `make cluster REPLICAS=3`
+runs) starts what `make run` starts (devtools/run.py: the embedded
+PostgreSQL unless DATABASE_URL is set, its `payments` database, the demo
+client, the fake PSP and rail) but with N `payments api` replicas on free
+ports, two `payments worker` processes, and nginx in front of the replicas
+(devtools/nginx.py) on the port given, so the curl it prints goes through
+the balancer. It is built on devtools/system.py like everything else that
+starts the system; nginx's configuration, pid and logs are in a directory
+under .data/ (printed), rewritten on every start.
+
+Two workers, because production runs more than one: both sweep for stranded
+payments and both try to claim each reconciliation window, and the leases
+and the durable tick make exactly one of them act on each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from devtools import nginx
+from devtools.processes import NotHealthy
+from devtools.run import demo_api_key, print_pay_once
+from devtools.system import System
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m devtools.cluster", description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=3, help="API replicas behind nginx (default 3)")
+    parser.add_argument("--workers", type=int, default=2, help="recovery workers (default 2)")
+    parser.add_argument("--port", type=int, default=8000, help="nginx's port (default 8000)")
+    parser.add_argument("--psp-port", type=int, default=8101)
+    parser.add_argument("--rail-port", type=int, default=8102)
+    args = parser.parse_args()
+    console = Console()
+    if nginx.find_nginx() is None:
+        console.print(f"[red]{nginx.INSTALL_HINT}[/]")
+        raise SystemExit(2)
+    if args.replicas < 1:
+        raise SystemExit("--replicas must be at least 1")
+
+    system = System(environ=dict(os.environ))
+    try:
+        url = os.environ.get("DATABASE_URL")
+        if not url:
+            with console.status("starting embedded PostgreSQL"):
+                postgres = system.start_postgres()
+            url = system.create_database("payments", fresh=False)
+            console.print(f"PostgreSQL (embedded) at {url}" + ("" if postgres.started else " (already running)"))
+        else:
+            system.use_database(url)
+        api_key = demo_api_key(url)
+        directory = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")).resolve() / "nginx"
+        try:
+            system.start_fakes(psp_port=args.psp_port, rail_port=args.rail_port)
+            apis = [system.start_api(f"API {n}") for n in range(1, args.replicas + 1)]
+            for n in range(1, args.workers + 1):
+                system.start_worker(f"worker {n}")
+            balancer = system.start_nginx(apis, directory, port=args.port)
+        except NotHealthy as exc:
+            raise SystemExit(str(exc)) from None
+
+        console.rule(f"[bold green]exactly-once payments: {args.replicas} replicas behind nginx")
+        console.print(f"nginx      {balancer.url}   (config, pid and logs: {directory})")
+        for api in apis:
+            console.print(f"{api.name:<10} {api.url}")
+        console.print(f"fake PSP   {system.psp.url}   (records: /_admin/charges)")
+        console.print(f"fake rail  {system.rail.url}   (records: /_admin/transfers)")
+        console.print(f"workers    {args.workers}, each resuming any payment whose owner died")
+        print_pay_once(console, balancer.url, api_key)
+        signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGHUP, _interrupt)
+        while all(process.running for process in system.processes):
+            time.sleep(0.5)
+        console.print("[red]a process exited; stopping everything[/]")
+    except KeyboardInterrupt:
+        console.print("\nstopping")
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        system.stop()
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    main()

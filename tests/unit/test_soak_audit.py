@@ -1,0 +1,114 @@
+"""The soak's audit (devtools/audit.py) on made-up records: it passes what is right and names what is not.
+
+The soak itself needs nginx and minutes of CPU, so it is not part of `make
+test`; the judge it relies on is, so a change that blinds the audit fails here.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+from devtools.audit import Evidence, audit, external_outcome
+
+AMOUNT, FEE = 1250, 43
+NET = AMOUNT - FEE
+
+
+def payment(reference: str, status: str) -> tuple[dict, dict, list[dict]]:
+    pid = uuid.uuid4()
+    row = {"id": pid, "reference": reference, "status": status, "amount_minor": AMOUNT, "net_minor": NET,
+           "fee_minor": FEE, "end_to_end_reference": f"E2E{reference}",
+           "payout_instructed_at": datetime(2026, 1, 5, tzinfo=UTC)}
+    key = {"key": f"k-{reference}", "state": "finished", "parked_at": None, "finished_at": None}
+    captured = [("charge_captured", "psp_receivable", AMOUNT, 0), ("charge_captured", "beneficiary_payable", 0, NET),
+                ("charge_captured", "fee_revenue", 0, FEE)]
+    postings = {
+        "succeeded": captured + [("payout_sent", "beneficiary_payable", NET, 0),
+                                 ("payout_sent", "rail_settlement", 0, NET)],
+        "failed": captured + [("charge_refunded", "beneficiary_payable", NET, 0),
+                              ("charge_refunded", "fee_revenue", FEE, 0),
+                              ("charge_refunded", "psp_receivable", 0, AMOUNT)],
+        "declined": [],
+    }[status]
+    ledger = [{"payment_id": pid, "posting": p, "account": a, "debit_minor": d, "credit_minor": c}
+              for p, a, d, c in postings]
+    return row, key, ledger
+
+
+def evidence() -> Evidence:
+    """Three payments that went right: one paid out, one declined, one rejected and refunded."""
+    ev = Evidence({}, {}, {}, {}, {}, {}, {}, {})
+    for reference, status in (("paid", "succeeded"), ("declined", "declined"), ("refunded", "failed")):
+        row, key, ledger = payment(reference, status)
+        ev.answers[reference] = {"final_status": status}
+        ev.payments[reference] = [row]
+        ev.keys[str(row["id"])] = key
+        ev.ledger[str(row["id"])] = ledger
+    ev.charges = {
+        "paid": [{"id": "ch_1", "status": "succeeded", "amount": AMOUNT}],
+        "declined": [{"id": "ch_2", "status": "declined", "amount": AMOUNT}],
+        "refunded": [{"id": "ch_3", "status": "succeeded", "amount": AMOUNT}],
+    }
+    ev.transfers = {
+        "paid": [{"id": "tr_1", "status": "accepted", "amount": NET, "end_to_end_reference": "E2Epaid"}],
+        "refunded": [{"id": "tr_2", "status": "rejected", "amount": NET, "end_to_end_reference": "E2Erefunded"}],
+    }
+    ev.refunds = {"refunded": [{"id": "re_1", "amount": AMOUNT}]}
+    return ev
+
+
+def test_payments_that_went_right_pass_every_check():
+    report = audit(evidence())
+    assert report.checked == 3
+    assert report.violations == []
+    assert report.outcomes == {"succeeded": 1, "declined": 1, "failed": 1}
+
+
+def test_a_second_payout_is_a_violation_of_its_own_and_breaks_the_accounts():
+    ev = evidence()
+    ev.transfers["paid"].append({"id": "tr_9", "status": "accepted", "amount": NET, "end_to_end_reference": "E2Epaid"})
+    checks = audit(ev).by_check()
+    assert checks["payout_once"] == 1
+    assert checks["external_consistent"] == 1
+    assert checks["accounts_match"] == 1  # rail_settlement: the rail paid out more than the ledger says
+
+
+def test_a_refund_beside_an_accepted_payout_and_an_answer_that_disagrees_are_violations():
+    ev = evidence()
+    ev.refunds["paid"] = [{"id": "re_9", "amount": AMOUNT}]
+    ev.answers["declined"] = {"final_status": "succeeded"}
+    checks = audit(ev).by_check()
+    assert checks["refund_needs_no_payout"] == 1
+    assert checks["answer_matches_external"] == 1
+
+
+def test_a_key_left_started_and_a_client_without_an_answer_are_violations():
+    ev = evidence()
+    row = ev.payments["paid"][0]
+    ev.keys[str(row["id"])]["state"] = "started"
+    ev.answers["refunded"] = {"final_status": None, "gave_up": True}
+    checks = audit(ev).by_check()
+    assert checks["key_finished_or_parked"] == 1
+    assert checks["client_answer"] == 1
+
+
+def test_a_parked_payout_on_a_final_statement_is_one_reconciliation_should_have_settled():
+    ev = evidence()
+    row = ev.payments["paid"][0]
+    row["status"] = "indeterminate"
+    ev.keys[str(row["id"])] = {"key": "k", "state": "started", "parked_at": datetime.now(UTC), "finished_at": None}
+    ev.ledger[str(row["id"])] = [e for e in ev.ledger[str(row["id"])] if e["posting"] == "charge_captured"]
+    ev.answers["paid"] = {"final_status": None, "first_status": "indeterminate"}
+    ev.statements = {"2026-01-05": {"final": True, "entries": [
+        {"end_to_end_reference": "E2Epaid", "amount": NET, "transfer_id": "tr_1"}]}}
+    checks = audit(ev).by_check()
+    assert checks["parked_unsettleable"] == 1
+
+
+def test_external_outcomes():
+    succeeded = {"status": "succeeded", "amount": AMOUNT}
+    assert external_outcome([], [], [], AMOUNT) == "none"
+    assert external_outcome([succeeded], [], [], AMOUNT) == "charged"
+    assert external_outcome([succeeded, succeeded], [], [], AMOUNT) == "inconsistent"
+    assert external_outcome([succeeded], [], [{"amount": AMOUNT - 1}], AMOUNT) == "inconsistent"
