@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import time
 from pathlib import Path
 
 from rich.console import Console
 
 from devtools import nginx
-from devtools.processes import NotHealthy
-from devtools.run import demo_api_key, print_pay_once
+from devtools.run import demo_api_key, open_database, print_pay_once, supervise
 from devtools.system import System
 
 
@@ -47,26 +44,15 @@ def main() -> None:
         raise SystemExit("--replicas must be at least 1")
 
     system = System(environ=dict(os.environ))
-    try:
-        url = os.environ.get("DATABASE_URL")
-        if not url:
-            with console.status("starting embedded PostgreSQL"):
-                postgres = system.start_postgres()
-            url = system.create_database("payments", fresh=False)
-            console.print(f"PostgreSQL (embedded) at {url}" + ("" if postgres.started else " (already running)"))
-        else:
-            system.use_database(url)
-        api_key = demo_api_key(url)
-        directory = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")).resolve() / "nginx"
-        try:
-            system.start_fakes(psp_port=args.psp_port, rail_port=args.rail_port)
-            apis = [system.start_api(f"API {n}") for n in range(1, args.replicas + 1)]
-            for n in range(1, args.workers + 1):
-                system.start_worker(f"worker {n}")
-            balancer = system.start_nginx(apis, directory, port=args.port)
-        except NotHealthy as exc:
-            raise SystemExit(str(exc)) from None
+    directory = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")).resolve() / "nginx"
 
+    def start() -> None:
+        api_key = demo_api_key(open_database(system, console))
+        system.start_fakes(psp_port=args.psp_port, rail_port=args.rail_port)
+        apis = [system.start_api(f"API {n}") for n in range(1, args.replicas + 1)]
+        for n in range(1, args.workers + 1):
+            system.start_worker(f"worker {n}")
+        balancer = system.start_nginx(apis, directory, port=args.port)
         console.rule(f"[bold green]exactly-once payments: {args.replicas} replicas behind nginx")
         console.print(f"nginx      {balancer.url}   (config, pid and logs: {directory})")
         for api in apis:
@@ -75,21 +61,8 @@ def main() -> None:
         console.print(f"fake rail  {system.rail.url}   (records: /_admin/transfers)")
         console.print(f"workers    {args.workers}, each resuming any payment whose owner died")
         print_pay_once(console, balancer.url, api_key)
-        signal.signal(signal.SIGTERM, _interrupt)
-        signal.signal(signal.SIGHUP, _interrupt)
-        while all(process.running for process in system.processes):
-            time.sleep(0.5)
-        console.print("[red]a process exited; stopping everything[/]")
-    except KeyboardInterrupt:
-        console.print("\nstopping")
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
-        system.stop()
 
-
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
+    supervise(system, console, start)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -35,24 +36,36 @@ from devtools.system import System
 def run(console: Console, api_port: int, psp_port: int, rail_port: int) -> None:
     """Start everything: database, migrations, fake PSP, fake rail, API, worker; until Ctrl-C."""
     system = System(environ=dict(os.environ))
-    try:
-        url = os.environ.get("DATABASE_URL")
-        if not url:
-            with console.status("starting embedded PostgreSQL"):
-                postgres = system.start_postgres()
-            url = system.create_database("payments", fresh=False)
-            console.print(f"PostgreSQL (embedded) at {url}" + ("" if postgres.started else " (already running)"))
-        else:
-            system.use_database(url)
-        api_key = demo_api_key(url)
 
+    def start() -> None:
+        api_key = demo_api_key(open_database(system, console))
+        system.start_fakes(psp_port=psp_port, rail_port=rail_port)
+        system.start_api("API", port=api_port)
+        system.start_worker("recovery worker")
+        _print_welcome(console, api_port, psp_port, rail_port, api_key)
+
+    supervise(system, console, start)
+
+
+def open_database(system: System, console: Console) -> str:
+    """The `payments` database `make run` keeps from run to run (DATABASE_URL's, else embedded), migrated; its URL."""
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        return system.use_database(url)
+    with console.status("starting embedded PostgreSQL"):
+        postgres = system.start_postgres()
+    url = system.create_database("payments", fresh=False)
+    console.print(f"PostgreSQL (embedded) at {url}" + ("" if postgres.started else " (already running)"))
+    return url
+
+
+def supervise(system: System, console: Console, start: Callable[[], None]) -> None:
+    """`start` the system, then watch it until Ctrl-C, SIGTERM, SIGHUP or a process exits; always stop it all."""
+    try:
         try:
-            system.start_fakes(psp_port=psp_port, rail_port=rail_port)
-            system.start_api("API", port=api_port)
-            system.start_worker("recovery worker")
+            start()
         except NotHealthy as exc:
             raise SystemExit(str(exc)) from None
-        _print_welcome(console, api_port, psp_port, rail_port, api_key)
         # A closed terminal (SIGHUP) or a polite kill (SIGTERM) must clean up
         # like Ctrl-C does, or the children would outlive us.
         signal.signal(signal.SIGTERM, _interrupt)
