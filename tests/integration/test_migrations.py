@@ -47,6 +47,16 @@ async def migrate(url: str, revision: str) -> None:
         pool.submit(_upgrade, url, revision).result()
 
 
+async def insert_payment(conn: asyncpg.Connection, payment_id: uuid.UUID, client: int, reference: str, status: str) -> None:
+    """A payment row as every revision since 0001 has it."""
+    await conn.execute(
+        "INSERT INTO payment (id, client_id, reference, amount_minor, currency, fee_minor, net_minor, "
+        "card_token, beneficiary_name, beneficiary_iban, status) "
+        "VALUES ($1, $2, $3, 1250, 'EUR', 43, 1207, 'tok_visa', 'Ada', 'DE89370400440532013000', $4)",
+        payment_id, client, reference, status,
+    )
+
+
 async def test_0004_keeps_every_key_row_and_marks_none_as_not_sent(scratch):
     await migrate(scratch, "0003")
     conn = await asyncpg.connect(scratch)
@@ -54,13 +64,8 @@ async def test_0004_keeps_every_key_row_and_marks_none_as_not_sent(scratch):
         client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
         rows = {"finished": uuid.uuid4(), "parked": uuid.uuid4(), "released": uuid.uuid4()}
         for state, payment_id in rows.items():
-            await conn.execute(
-                "INSERT INTO payment (id, client_id, reference, amount_minor, currency, fee_minor, net_minor, "
-                "card_token, beneficiary_name, beneficiary_iban, status) "
-                "VALUES ($1, $2, $3, 1250, 'EUR', 43, 1207, 'tok_visa', 'Ada', 'DE89370400440532013000', $4)",
-                payment_id, client, f"order-{state}",
-                {"finished": "succeeded", "parked": "indeterminate", "released": "processing"}[state],
-            )
+            status = {"finished": "succeeded", "parked": "indeterminate", "released": "processing"}[state]
+            await insert_payment(conn, payment_id, client, f"order-{state}", status)
             await conn.execute(
                 "INSERT INTO idempotency_key (client_id, key, endpoint, request_hash, state, recovery_point, "
                 "payment_id, parked_at, response_code, response_body) "
@@ -96,13 +101,7 @@ async def test_0005_keeps_every_key_row_caps_stored_responses_and_indexes_paymen
     try:
         client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
         payment_id = uuid.uuid4()
-        await conn.execute(
-            "INSERT INTO payment (id, client_id, reference, amount_minor, currency, fee_minor, net_minor, "
-            "card_token, beneficiary_name, beneficiary_iban, status) "
-            "VALUES ($1, $2, 'order-1', 1250, 'EUR', 43, 1207, 'tok_visa', 'Ada', 'DE89370400440532013000', "
-            "'succeeded')",
-            payment_id, client,
-        )
+        await insert_payment(conn, payment_id, client, "order-1", "succeeded")
         await conn.execute(
             "INSERT INTO idempotency_key (client_id, key, endpoint, request_hash, state, recovery_point, "
             "payment_id, response_code, response_body) "
