@@ -142,10 +142,11 @@ def _call_after(entry: dict[str, Any], following: dict[str, Any] | None, payment
     """The call the owner made (or may have made) after `entry`, and how it ended, as CallRow's fields."""
     spec = CALLS.get(str(entry.get("recovery_point")))
     event = entry.get("event")
-    # Nothing is called after a finish or while parked; and a payout settled
-    # by reconciliation was learned from the rail's statement, recorded in
-    # the same transaction as the settlement: no call either.
-    if spec is None or event in ("parked", "settled by reconciliation"):
+    # Nothing is called after a finish, by nobody (after a release or a
+    # park, until the next attempt takes it over), and a payout settled by
+    # reconciliation was learned from the rail's statement, recorded in the
+    # same transaction as the settlement: no call either.
+    if spec is None or KINDS.get(str(event)) in ("release", "park") or event == "settled by reconciliation":
         return None
     following_event = following.get("event") if following else None
     resumed = event in ("taken over", "re-probe answered")

@@ -176,3 +176,26 @@ async def test_the_reconciliation_page_lists_runs_and_breaks(http, console_api, 
     assert "breaks=1, entries=3" in html
     assert "amount_mismatch" in html and "E2E-&lt;b&gt;" in html
     assert f"/console/payments/{payment_id}" in html
+
+
+async def test_the_list_pages_by_keyset_newest_first_with_no_row_twice_and_none_missed(http, console_api, acme, database_url):
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from app.config import asyncpg_url
+    from app.db.transaction import read
+    from app.readmodel import queries
+
+    paid = [(await pay(http, console_api.url, acme)).json()["id"] for _ in range(5)]
+    engine = create_async_engine(asyncpg_url(database_url))
+    try:
+        seen, before = [], None
+        while True:
+            page = await read(engine, queries.operations, queries.Filters(), before=before, limit=2)
+            seen += [str(r.payment_id) for r in page.rows]
+            if page.older is None:
+                break
+            before = page.older
+    finally:
+        await engine.dispose()
+
+    assert seen == list(reversed(paid)), "newest first, each once"
