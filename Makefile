@@ -10,7 +10,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run cluster soak test mutants bench lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash
+.PHONY: install run cluster soak test mutants bench screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash
 
 install: $(STAMP)
 
@@ -54,6 +54,11 @@ mutants: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# The console's and /docs' pictures in docs/images/, made again from nothing
+# with the distribution's headless Chromium (apt-get install chromium chromium-driver).
+screenshots: $(STAMP)
+	$(BIN)/python -m devtools.screenshots
 
 # Kill-between-phases demos (docs/reference/client.md): real processes on free ports, in a
 # database of their own (payments_demo), so they run alongside `make run`.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.iban import normalise_all
@@ -39,6 +39,9 @@ def redacted_url(url: str) -> str:
 def libpq_url(url: str) -> str:
     """The driver-free spelling, for asyncpg itself, psql and pgbench."""
     return "postgresql://" + asyncpg_url(url)[len("postgresql+asyncpg://") :]
+
+
+MIN_OPERATOR_TOKEN_LENGTH = 32
 
 
 class Settings(BaseSettings):
@@ -119,6 +122,13 @@ class Settings(BaseSettings):
     # the commands check the name at start-up, app/cli.py::_settings).
     payments_crash_at: str | None = None
 
+    # The operator console (app/console/, docs/console.md): read-only pages
+    # behind this one token, sent as `Authorization: Bearer <token>` or through
+    # the console's login form. Unset, the console is disabled (404): it is
+    # never open to whoever can reach the port. A secret, so never printed by a
+    # refused setting. `payments run` generates one when none is set.
+    operator_token: SecretStr | None = None
+
     @property
     def legacy_accounts(self) -> frozenset[str]:
         """The legacy accounts' IBANs, normalised (app/iban.py) like every beneficiary's."""
@@ -133,6 +143,18 @@ class Settings(BaseSettings):
         # An entry that is not an IBAN refuses start-up rather than being
         # silently never matched.
         return ",".join(sorted(normalise_all(value)))
+
+    @field_validator("operator_token")
+    @classmethod
+    def _operator_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None  # OPERATOR_TOKEN= (empty) leaves the console disabled
+        token = value.get_secret_value()
+        # The console shows every client's payments: a token short enough to
+        # guess would open all of them.
+        if len(token) < MIN_OPERATOR_TOKEN_LENGTH:
+            raise ValueError(f"must be at least {MIN_OPERATOR_TOKEN_LENGTH} characters (try: openssl rand -hex 24)")
+        return value
 
     @field_validator("database_url")
     @classmethod

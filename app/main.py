@@ -14,6 +14,7 @@ from app.api.body_limit import BodyLimit
 from app.api.in_flight import InFlight, TrackInFlight
 from app.api.replay_shortcut import ReplayShortcut
 from app.api.routes import router
+from app.console import routes as console
 from app.config import Settings
 from app.problems import CATALOGUE
 from app.services import open_services
@@ -71,6 +72,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     errors.install(app)
     app.include_router(router)
+    # The operator console (docs/console.md): HTML pages under /console,
+    # disabled (404) unless OPERATOR_TOKEN is set.
+    console.install(app)
     if settings.replay_shortcut:
         # An optimisation, not part of the idea: retries of finished payments
         # are answered here, before routing, with the route's own read and

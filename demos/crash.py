@@ -8,6 +8,7 @@ payment happened exactly once. Exit status 0 on PASS, 1 on FAIL.
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from enum import Enum
 from pathlib import Path
@@ -17,6 +18,7 @@ import typer
 from app.payments.crash_points import POINTS
 from demos.story import on_request_path, run_point, terminal
 from demos.system import System, session
+from devtools.run import print_console_link
 
 console = terminal()
 
@@ -42,12 +44,26 @@ def main(
         raise typer.Exit(2)
     with session(console, System()) as system:
         outcome = run_point(system, point, mode.value, console, Path(tempfile.mkdtemp(prefix="client-")) / "store.json")
+        show_in_console(system, outcome)
     if outcome.passed:
         console.print(f"[bold green]PASS[/] {point} ({mode.value}): one payment, money moved exactly once, "
                       f"replay byte-identical ({outcome.seconds:.1f} s)")
     else:
         console.print(f"[bold red]FAIL[/] {point} ({mode.value}): see the checks above")
         raise typer.Exit(1)
+
+
+def show_in_console(system: System, outcome) -> None:
+    """The crashed payment's page in the operator console; kept up until Enter when a person is watching."""
+    payment = outcome.final.payment if outcome.final else None
+    if payment is None or outcome.api_url is None:
+        return
+    console.print("\nThe crashed payment in the operator console (its timeline shows the crash and the takeover):")
+    print_console_link(console, outcome.api_url, system.operator_token, f"/console/payments/{payment['id']}")
+    if sys.stdin.isatty():
+        console.input("\n[bold]The system stays up while you look. Press Enter to stop it.[/] ")
+    else:
+        console.print("[dim](no terminal to wait on: the system stops now, and the link with it)[/]")
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ class Outcome:
     mode: str
     left: str = "?"
     resumed_by: str = "?"
+    api_url: str | None = None  # the API that answered the resumed payment (its console shows it)
     final: Snapshot | None = None
     replay_identical: bool = False
     checks: list[tuple[str, str, str, bool]] = field(default_factory=list)
@@ -226,6 +227,7 @@ def _run(system: System, point: str, mode: str, out: Console, store: Path, outco
             outcome.resumed_by = "worker; replay"
         api = system.api(port=doomed.port, name="api")
         out.print(f"  API started on the same port ({api.url}) for the client's retry")
+    outcome.api_url = api.url
     log.phase = "resume"
     with PaymentsClient(api.url, system.api_key, store, max_attempts=10, max_seconds=20, on_event=log) as client:
         result = client.pay(operation_id, body)

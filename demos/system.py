@@ -13,6 +13,7 @@ the demo ends.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -67,7 +68,11 @@ class System(devtools_system.System):
     """devtools' System with what the demos add: their database, a client, a `Db`, crash-ready APIs."""
 
     def __init__(self) -> None:
-        super().__init__(Path(tempfile.mkdtemp(prefix="payments-demo-")))
+        # Every API process a demo starts has the operator console on, so a
+        # demo can show its payment there (docs/console.md).
+        self.operator_token = secrets.token_urlsafe(32)
+        super().__init__(Path(tempfile.mkdtemp(prefix="payments-demo-")),
+                         settings={"OPERATOR_TOKEN": self.operator_token})
         self.api_key = ""
         self.client_id = 0
         self.db: Db | None = None

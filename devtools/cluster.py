@@ -24,7 +24,9 @@ from pathlib import Path
 from rich.console import Console
 
 from devtools import nginx
-from devtools.run import demo_api_key, open_database, print_pay_once, supervise
+from devtools.run import (
+    STOP_HINT, demo_api_key, kept_operator_token, open_database, print_console_link, print_pay_once, supervise,
+)
 from devtools.system import System
 
 
@@ -43,7 +45,8 @@ def main() -> None:
     if args.replicas < 1:
         raise SystemExit("--replicas must be at least 1")
 
-    system = System(environ=dict(os.environ))
+    operator_token = os.environ.get("OPERATOR_TOKEN") or kept_operator_token()
+    system = System(environ=dict(os.environ, OPERATOR_TOKEN=operator_token))
     directory = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")).resolve() / "nginx"
 
     def start() -> None:
@@ -61,6 +64,8 @@ def main() -> None:
         console.print(f"fake rail  {system.rail.url}   (records: /_admin/transfers)")
         console.print(f"workers    {args.workers}, each resuming any payment whose owner died")
         print_pay_once(console, balancer.url, api_key)
+        print_console_link(console, balancer.url, operator_token)
+        console.print(STOP_HINT)
 
     supervise(system, console, start)
 

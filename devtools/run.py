@@ -5,7 +5,9 @@ nothing else in app/ imports devtools. It starts the whole system with
 devtools/system.py: the embedded PostgreSQL unless DATABASE_URL names a
 server (its `payments` database, kept from run to run), migrations, a demo
 client whose key is kept in .data/, the fake PSP, the fake rail, the API and
-the recovery worker on the ports given, then prints how to pay once. Ctrl-C,
+the recovery worker on the ports given, then prints how to pay once and a
+link into the operator console (OPERATOR_TOKEN, generated and kept in .data/
+when it is not set). Ctrl-C,
 a closed terminal (SIGHUP) or a SIGTERM stops every process it started and
 the embedded PostgreSQL if it started it.
 
@@ -19,11 +21,13 @@ import asyncio
 import hashlib
 import json
 import os
+import secrets
 import signal
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlencode
 
 from rich.console import Console
 
@@ -35,7 +39,8 @@ from devtools.system import System
 
 def run(console: Console, api_port: int, psp_port: int, rail_port: int) -> None:
     """Start everything: database, migrations, fake PSP, fake rail, API, worker; until Ctrl-C."""
-    system = System(environ=dict(os.environ))
+    operator_token = os.environ.get("OPERATOR_TOKEN") or kept_operator_token()
+    system = System(environ=dict(os.environ, OPERATOR_TOKEN=operator_token))
 
     def start() -> None:
         api_key = demo_api_key(open_database(system, console))
@@ -43,6 +48,8 @@ def run(console: Console, api_port: int, psp_port: int, rail_port: int) -> None:
         system.start_api("API", port=api_port)
         system.start_worker("recovery worker")
         _print_welcome(console, api_port, psp_port, rail_port, api_key)
+        print_console_link(console, f"http://127.0.0.1:{api_port}", operator_token)
+        console.print(STOP_HINT)
 
     supervise(system, console, start)
 
@@ -119,6 +126,34 @@ def demo_api_key(url: str) -> str:
     return api_key
 
 
+STOP_HINT = "\nCtrl-C stops every process started here."
+
+
+def kept_operator_token() -> str:
+    """An operator token for the console, kept in .data/ (readable by its owner only) so a
+    browser's login survives the next `make run`."""
+    path = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")) / "operator-token"
+    if path.exists() and len(token := path.read_text().strip()) >= 32:
+        return token
+    token = secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.write_text(token + "\n")
+    return token
+
+
+def print_console_link(console: Console, api_url: str, operator_token: str, page: str = "/console") -> None:
+    """A link that logs a browser into the operator console and opens `page`.
+
+    The token is in the link (as Jupyter's are), for a developer's own
+    machine: the console swaps it for a cookie and redirects at once, but
+    the browser's history keeps the link. docs/console.md says more.
+    """
+    link = f"{api_url}/console/login?{urlencode({'token': operator_token, 'next': page})}"
+    console.print("\nOperator console (read-only; this link logs a browser in with OPERATOR_TOKEN):")
+    console.print(link, soft_wrap=True, highlight=False, markup=False)
+
+
 def _print_welcome(console: Console, api_port: int, psp_port: int, rail_port: int, api_key: str) -> None:
     console.rule("[bold green]exactly-once payments is running")
     console.print(f"API        http://127.0.0.1:{api_port}   (OpenAPI UI: http://127.0.0.1:{api_port}/docs)")
@@ -142,4 +177,3 @@ def print_pay_once(console: Console, api_url: str, api_key: str) -> None:
         f"  -d '{body}'",
         soft_wrap=True, highlight=False, markup=False,
     )
-    console.print("\nCtrl-C stops every process started here.")

@@ -1,0 +1,307 @@
+"""The operator console's queries, one SELECT each (run with `app.db.transaction.read`).
+
+The key table is the big one (a row per request ever made, until retention
+drops it), so its list is paged by keyset, never by OFFSET: a page is "the
+next N rows older than the last one shown", read from an index, however deep
+the reader pages. The key is `payment_id`, which is time-ordered (UUIDv7,
+app/payments/phases.py::new_payment_id) and indexed on the key table
+(`idempotency_key_payment_id`, migration 0005), and every key row has one
+(Handler1 inserts both in one statement): newest first by payment id is newest
+first by arrival, with no new index to maintain on the hot path. An OFFSET
+would read and throw away every row before the page, deeper pages slower.
+
+Filters are fixed SQL fragments chosen by name, with values bound as
+parameters: nothing a reader types becomes SQL text.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+PAGE_SIZE = 50
+STATES = ("started", "finished")
+
+
+@dataclass(frozen=True)
+class Filters:
+    """The list's filters; None leaves a column unfiltered."""
+
+    state: str | None = None
+    recovery_point: str | None = None
+    client_id: int | None = None
+    parked: bool | None = None
+
+    def where(self) -> tuple[list[str], dict[str, Any]]:
+        clauses: list[str] = []
+        params: dict[str, Any] = {}
+        if self.state is not None:
+            clauses.append("k.state = :state")
+            params["state"] = self.state
+        if self.recovery_point is not None:
+            clauses.append("k.recovery_point = :recovery_point")
+            params["recovery_point"] = self.recovery_point
+        if self.client_id is not None:
+            clauses.append("k.client_id = :client_id")
+            params["client_id"] = self.client_id
+        if self.parked is True:
+            # Spelled as the partial index idempotency_key_parked is defined
+            # (only a started row can be parked), so the planner can use it.
+            clauses.append("k.state = 'started' AND k.parked_at IS NOT NULL")
+        elif self.parked is False:
+            clauses.append("k.parked_at IS NULL")
+        return clauses, params
+
+
+@dataclass(frozen=True)
+class OperationRow:
+    """One key row as the list shows it, with its client's name and its payment's status."""
+
+    client_id: int
+    client_name: str
+    key: str
+    state: str
+    recovery_point: str
+    payment_id: uuid.UUID
+    attempts: int
+    lease_live: bool
+    lease_expires_at: datetime | None
+    parked_at: datetime | None
+    last_error: str | None
+    created_at: datetime
+    updated_at: datetime
+    payment_status: str | None
+    reference: str | None
+    amount_minor: int | None
+    currency: str | None
+
+    @property
+    def parked_reason(self) -> str | None:
+        """Why it is parked: the reason its last attempt recorded (None if not parked)."""
+        return (self.last_error or "parked") if self.parked_at is not None else None
+
+
+@dataclass(frozen=True)
+class Page:
+    rows: list[OperationRow]
+    # The cursor of the next (older) page: the last row's payment id; None on the last page.
+    older: uuid.UUID | None
+
+
+_OPERATION_COLUMNS = """
+    k.client_id, c.name AS client_name, k.key, k.state, k.recovery_point, k.payment_id, k.attempts,
+    coalesce(k.lease_expires_at > now(), false) AS lease_live, k.lease_expires_at, k.parked_at,
+    k.last_error, k.created_at, k.updated_at,
+    p.status AS payment_status, p.reference, p.amount_minor, p.currency
+"""
+
+
+async def operations(
+    conn: AsyncConnection, filters: Filters, *, before: uuid.UUID | None = None, limit: int = PAGE_SIZE
+) -> Page:
+    """A page of operations, newest first, older than `before` (a payment id) if given."""
+    clauses, params = filters.where()
+    clauses.append("k.payment_id IS NOT NULL")
+    if before is not None:
+        clauses.append("k.payment_id < :before")
+        params["before"] = before
+    # One row more than the page, to know whether an older page exists
+    # without counting (a count would read every matching row).
+    statement = text(
+        f"""
+        SELECT {_OPERATION_COLUMNS}
+          FROM idempotency_key k
+          JOIN client c ON c.id = k.client_id
+          LEFT JOIN payment p ON p.id = k.payment_id
+         WHERE {" AND ".join(clauses)}
+         ORDER BY k.payment_id DESC
+         LIMIT :limit
+        """
+    )
+    rows = (await conn.execute(statement, dict(params, limit=limit + 1))).mappings().all()
+    page = [OperationRow(**row) for row in rows[:limit]]
+    return Page(page, page[-1].payment_id if len(rows) > limit else None)
+
+
+@dataclass(frozen=True)
+class Client:
+    id: int
+    name: str
+
+
+async def clients(conn: AsyncConnection) -> list[Client]:
+    rows = await conn.execute(text("SELECT id, name FROM client ORDER BY name, id LIMIT 1000"))
+    return [Client(r.id, r.name) for r in rows]
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    posting: str
+    account: str
+    debit_minor: int
+    credit_minor: int
+    currency: str
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One operation whole: its key row, its payment, its ledger, its breaks."""
+
+    row: OperationRow
+    endpoint: str
+    next_attempt_at: datetime
+    response_code: int | None
+    finished_at: datetime | None
+    timeline: list[dict[str, Any]]
+    payment: dict[str, Any]
+    ledger: list[LedgerEntry]
+    breaks: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def totals(self) -> dict[str, tuple[int, int]]:
+        """(debits, credits) per currency."""
+        sums: dict[str, tuple[int, int]] = {}
+        for e in self.ledger:
+            debit, credit = sums.get(e.currency, (0, 0))
+            sums[e.currency] = (debit + e.debit_minor, credit + e.credit_minor)
+        return sums
+
+    @property
+    def balanced(self) -> bool:
+        """Debits equal credits in every currency (an empty ledger balances too)."""
+        return all(debit == credit for debit, credit in self.totals.values())
+
+
+_OPERATION = text(
+    f"""
+    SELECT {_OPERATION_COLUMNS}, k.endpoint, k.next_attempt_at, k.response_code, k.finished_at, k.timeline,
+           -- Not the card token: an operator needs it for nothing. (The IBAN is
+           -- read whole, to tell whether its payout goes over a legacy rail; the
+           -- pages show it masked.)
+           jsonb_build_object(
+               'id', p.id, 'reference', p.reference, 'status', p.status,
+               'amount_minor', p.amount_minor, 'fee_minor', p.fee_minor, 'net_minor', p.net_minor,
+               'currency', p.currency, 'beneficiary_name', p.beneficiary_name,
+               'beneficiary_iban', p.beneficiary_iban,
+               'end_to_end_reference', p.end_to_end_reference,
+               'psp_charge_key', p.psp_charge_key, 'psp_charge_id', p.psp_charge_id, 'decline_code', p.decline_code,
+               'rail_transfer_key', p.rail_transfer_key, 'rail_transfer_id', p.rail_transfer_id,
+               'reject_reason', p.reject_reason, 'psp_refund_key', p.psp_refund_key, 'psp_refund_id', p.psp_refund_id,
+               'payout_instructed_at', p.payout_instructed_at, 'created_at', p.created_at, 'updated_at', p.updated_at
+           ) AS payment,
+           coalesce((SELECT jsonb_agg(jsonb_build_object(
+                        'posting', e.posting, 'account', e.account, 'debit_minor', e.debit_minor,
+                        'credit_minor', e.credit_minor, 'currency', e.currency, 'created_at', e.created_at)
+                        ORDER BY e.id)
+                       FROM ledger_entry e WHERE e.payment_id = p.id), '[]') AS ledger,
+           coalesce((SELECT jsonb_agg(to_jsonb(b) ORDER BY b.id)
+                       FROM reconciliation_break b WHERE b.payment_id = p.id), '[]') AS breaks
+      FROM payment p
+      JOIN idempotency_key k ON k.client_id = p.client_id AND k.payment_id = p.id
+      JOIN client c ON c.id = k.client_id
+     WHERE p.id = :payment_id
+    """
+)
+_OPERATION_FIELDS = {"endpoint", "next_attempt_at", "response_code", "finished_at", "timeline", "payment", "ledger", "breaks"}
+
+
+async def operation(conn: AsyncConnection, payment_id: uuid.UUID) -> Operation | None:
+    """The operation of a payment, with everything the console shows of it, in one read."""
+    row = (await conn.execute(_OPERATION, dict(payment_id=payment_id))).mappings().one_or_none()
+    if row is None:
+        return None
+    ledger = [
+        LedgerEntry(**{**e, "created_at": datetime.fromisoformat(e["created_at"])}) for e in row["ledger"]
+    ]
+    return Operation(
+        row=OperationRow(**{k: v for k, v in row.items() if k not in _OPERATION_FIELDS}),
+        endpoint=row["endpoint"],
+        next_attempt_at=row["next_attempt_at"],
+        response_code=row["response_code"],
+        finished_at=row["finished_at"],
+        timeline=row["timeline"],
+        payment=row["payment"],
+        ledger=ledger,
+        breaks=row["breaks"],
+    )
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """Unfinished operations that are not parked: in flight, or waiting for a retry or the worker."""
+
+    count: int
+    due: int  # of which no attempt owns them and their next attempt is due: the worker's work
+    oldest_due_at: datetime | None
+
+
+_PARKED = text(
+    f"""
+    SELECT {_OPERATION_COLUMNS}
+      FROM idempotency_key k
+      JOIN client c ON c.id = k.client_id
+      LEFT JOIN payment p ON p.id = k.payment_id
+     WHERE k.state = 'started' AND k.parked_at IS NOT NULL
+     ORDER BY k.parked_at, k.client_id, k.key
+     LIMIT :limit
+    """
+)
+# Both read the partial index idempotency_key_unfinished: unfinished, unparked rows only.
+_BACKLOG = text(
+    """
+    SELECT count(*) AS count,
+           count(*) FILTER (WHERE next_attempt_at <= now()
+                              AND (lease_expires_at IS NULL OR lease_expires_at < now())) AS due,
+           min(next_attempt_at) FILTER (WHERE lease_expires_at IS NULL OR lease_expires_at < now()) AS oldest_due_at
+      FROM idempotency_key
+     WHERE state = 'started' AND parked_at IS NULL
+    """
+)
+_PARKED_COUNT = text("SELECT count(*) FROM idempotency_key WHERE state = 'started' AND parked_at IS NOT NULL")
+
+
+async def parked(conn: AsyncConnection, *, limit: int = 200) -> tuple[list[OperationRow], int]:
+    """Parked operations, longest parked first (at most `limit`), and how many there are in all."""
+    rows = (await conn.execute(_PARKED, dict(limit=limit))).mappings().all()
+    total = (await conn.execute(_PARKED_COUNT)).scalar_one()
+    return [OperationRow(**r) for r in rows], total
+
+
+async def backlog(conn: AsyncConnection) -> Backlog:
+    row = (await conn.execute(_BACKLOG)).one()
+    return Backlog(row.count, row.due, row.oldest_due_at)
+
+
+_RUNS = text(
+    """
+    SELECT job, window_start, state, attempts, counts, error, started_at, finished_at,
+           coalesce(lease_expires_at > now(), false) AS lease_live
+      FROM scheduled_run
+     ORDER BY window_start DESC, job
+     LIMIT :limit
+    """
+)
+_BREAKS = text(
+    """
+    SELECT b.id, b.window_start, b.kind, b.end_to_end_reference, b.payment_id, b.details, b.detected_at
+      FROM reconciliation_break b
+     ORDER BY b.detected_at DESC, b.id DESC
+     LIMIT :limit
+    """
+)
+
+
+async def runs(conn: AsyncConnection, *, limit: int = 60) -> list[dict[str, Any]]:
+    """Reconciliation runs (one per job and window), newest window first."""
+    return [dict(r) for r in (await conn.execute(_RUNS, dict(limit=limit))).mappings().all()]
+
+
+async def breaks(conn: AsyncConnection, *, limit: int = 200) -> list[dict[str, Any]]:
+    """Reconciliation breaks, newest first: what a person must settle."""
+    return [dict(r) for r in (await conn.execute(_BREAKS, dict(limit=limit))).mappings().all()]
