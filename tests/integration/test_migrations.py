@@ -79,7 +79,7 @@ async def test_0004_keeps_every_key_row_and_marks_none_as_not_sent(scratch):
     finally:
         await conn.close()
 
-    await migrate(scratch, "head")
+    await migrate(scratch, "0004")
 
     conn = await asyncpg.connect(scratch)
     try:
@@ -112,7 +112,7 @@ async def test_0005_keeps_every_key_row_caps_stored_responses_and_indexes_paymen
     finally:
         await conn.close()
 
-    await migrate(scratch, "head")
+    await migrate(scratch, "0005")
 
     conn = await asyncpg.connect(scratch)
     try:
