@@ -17,6 +17,8 @@ from rich.console import Console
 cli = typer.Typer(help="Exactly-once payments service.", no_args_is_help=True, add_completion=False)
 clients_cli = typer.Typer(help="Manage API clients.", no_args_is_help=True)
 cli.add_typer(clients_cli, name="clients")
+keys_cli = typer.Typer(help="Operate the idempotency key table.", no_args_is_help=True)
+cli.add_typer(keys_cli, name="keys")
 console = Console()
 
 
@@ -63,14 +65,34 @@ def _settings():
         raise typer.Exit(2) from None
 
 
-def migrate_database(url: str) -> None:
-    """Bring the schema to the newest Alembic revision."""
+def migrate_database(url: str) -> list[str]:
+    """Bring the schema to the newest Alembic revision, and the key table's partitions a week ahead.
+
+    The partitions are part of a usable schema: a claim on a day with no
+    partition is refused (503), so a fresh database, or one whose worker has
+    not run for a while, gets today's and the coming days' here. Returns the
+    names of the partitions created.
+    """
     from alembic import command
     from alembic.config import Config
+
+    from app.config import asyncpg_url
+    from app.db.transaction import autocommit
+    from app.idempotency import partitions
+    from sqlalchemy.ext.asyncio import create_async_engine
 
     config = Config(str(Path(__file__).resolve().parent.parent / "alembic.ini"))
     config.attributes["database_url"] = url
     command.upgrade(config, "head")
+
+    async def ahead() -> list[str]:
+        engine = create_async_engine(asyncpg_url(url), hide_parameters=True)
+        try:
+            return await autocommit(engine, partitions.ensure_ahead)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(ahead())
 
 
 def create_client(url: str, name: str, api_key: str | None = None) -> tuple[int, str]:
@@ -244,13 +266,59 @@ def migrate() -> None:
 
     url = _database_url()
     try:
-        migrate_database(url)
+        created = migrate_database(url)
     except (OSError, DBAPIError) as exc:
         # The database is unreachable or refused us: say which one, without
         # its password, and why, without a page of traceback.
         console.print(f"cannot migrate {redacted_url(url)}: {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
         raise typer.Exit(1) from None
     console.print("schema is at the newest revision")
+    if created:
+        console.print("key table partitions created: " + ", ".join(created))
+
+
+@keys_cli.command("reap")
+def keys_reap(
+    dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be created, moved and dropped; change nothing."),
+) -> None:
+    """Create the key table's partitions ahead, and drop the days past KEY_RETENTION_HOURS (live rows moved out first)."""
+    from datetime import timedelta
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from app.config import asyncpg_url
+    from app.workers import retention
+
+    url = _database_url()
+    settings = _settings()
+
+    async def go() -> retention.Report:
+        engine = create_async_engine(asyncpg_url(url), hide_parameters=True)
+        try:
+            return await retention.reap(engine, timedelta(hours=settings.key_retention_hours), dry_run=dry_run)
+        finally:
+            await engine.dispose()
+
+    report = asyncio.run(go())
+    would = "would " if dry_run else ""
+    print(f"retention: {settings.key_retention_hours:g} h")
+    for name in report.created:
+        print(f"{would}create {name}")
+    for plan in report.plans:
+        name = plan.partition.name
+        moved = plan.live if dry_run else report.moved.get(name, 0)
+        if plan.live:
+            print(f"{would}move {moved} live rows out of {name} (started, parked, or finished within retention)")
+        if plan.held:
+            print(f"  {plan.held} of them held by a live owner: {name} is kept for another day")
+        if name in report.dropped or (dry_run and not plan.held):
+            print(f"{would}drop {name} ({plan.rows - plan.live} finished keys past retention)")
+        elif name in report.kept and not plan.held:
+            print(f"kept {name}: a live row could not be moved yet")
+    if not report.created and not report.plans:
+        print("nothing to do: every partition is within retention and the coming days exist")
+    if not dry_run:
+        print(", ".join(f"{k}={v}" for k, v in report.counts().items()))
 
 
 @clients_cli.command("create")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.iban import normalise_all
@@ -42,6 +42,13 @@ def libpq_url(url: str) -> str:
 
 
 MIN_OPERATOR_TOKEN_LENGTH = 32
+
+# How long after its first attempt a client may still retry (or resume) an
+# operation with its stored key: the documented budget of a client
+# (docs/reference/client.md#how-long-a-key-is-honoured; payments_client's
+# RETRY_WINDOW_HOURS says the same). A key kept for less could be reaped
+# while its client still retries it.
+CLIENT_RETRY_WINDOW_HOURS = 24
 
 
 class Settings(BaseSettings):
@@ -118,6 +125,15 @@ class Settings(BaseSettings):
     # absent only once every statement in its horizon is final.
     reconcile_booking_days: int = Field(default=3, ge=1, le=14)
     reconcile_lease_seconds: float = Field(default=300.0, gt=0)
+    # How long a finished key is kept (from its claim, and from its finish)
+    # before the worker's daily tick drops the day's partition that holds it
+    # (docs/key-table.md#how-long-a-key-is-kept). Started and parked keys are
+    # never removed. At least the client's retry window and the rail's booking
+    # horizon: start-up refuses less.
+    key_retention_hours: float = Field(default=72.0, gt=0)
+    # How often `payments worker` checks whether today's partition upkeep
+    # (create ahead, reap) has run; the durable tick makes it once per day.
+    key_reap_every_seconds: float = Field(default=300.0, gt=0)
     # Crash tests and demos only: die at this named point (app.payments.crash_points;
     # the commands check the name at start-up, app/cli.py::_settings).
     payments_crash_at: str | None = None
@@ -154,6 +170,23 @@ class Settings(BaseSettings):
         # guess would open all of them.
         if len(token) < MIN_OPERATOR_TOKEN_LENGTH:
             raise ValueError(f"must be at least {MIN_OPERATOR_TOKEN_LENGTH} characters (try: openssl rand -hex 24)")
+        return value
+
+    @field_validator("key_retention_hours")
+    @classmethod
+    def _retention_outlasts_retries(cls, value: float, info: ValidationInfo) -> float:
+        # A key removed while its client may still retry it turns that retry
+        # into a new request (refused as a duplicate reference, but no longer
+        # answered with the payment's own response); and a parked payout's key
+        # must outlive the statements that can still book it.
+        booking_days = info.data.get("reconcile_booking_days", 0)
+        floor = max(CLIENT_RETRY_WINDOW_HOURS, 24 * booking_days)
+        if value < floor:
+            raise ValueError(
+                f"{value:g} h is shorter than clients retry a key ({CLIENT_RETRY_WINDOW_HOURS} h) or the rail "
+                f"may book a payout (RECONCILE_BOOKING_DAYS={booking_days}, {24 * booking_days} h); "
+                f"keep keys at least {floor} h"
+            )
         return value
 
     @field_validator("database_url")

@@ -101,6 +101,14 @@ SERVICE_UNAVAILABLE = _t(
     "of seconds in Retry-After with the same Idempotency-Key and body: it resumes from what "
     "was recorded, or replays the final response.",
 )
+KEY_TABLE_UNAVAILABLE = _t(
+    "key-table-unavailable", 503, "The key table cannot take this request right now",
+    "Either the key table has no partition for today (its upkeep, `payments worker` or "
+    "`payments migrate`, has not run for a week), or the key row was being moved between "
+    "partitions at that instant. Nothing was done that a retry cannot finish, and nothing will be "
+    "done twice. Retry after the number of seconds in Retry-After with the same Idempotency-Key "
+    "and body.",
+)
 
 CATALOGUE: dict[str, ProblemType] = {
     t.slug: t
@@ -108,7 +116,7 @@ CATALOGUE: dict[str, ProblemType] = {
         IDEMPOTENCY_KEY_MISSING, IDEMPOTENCY_KEY_INVALID, INVALID_REQUEST, UNAUTHENTICATED,
         NOT_FOUND, METHOD_NOT_ALLOWED, REQUEST_TIMEOUT, PAYLOAD_TOO_LARGE, REQUEST_HEADER_TOO_LARGE,
         REQUEST_IN_PROGRESS, DUPLICATE_PAYMENT,
-        IDEMPOTENCY_KEY_REUSED, INTERNAL_ERROR, SERVICE_UNAVAILABLE,
+        IDEMPOTENCY_KEY_REUSED, INTERNAL_ERROR, SERVICE_UNAVAILABLE, KEY_TABLE_UNAVAILABLE,
     )
 }
 

@@ -32,9 +32,10 @@ from fastapi.responses import Response
 from sqlalchemy import exc as sa
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.db.errors import database_unavailable, describe, loggable
+from app.db.errors import database_unavailable, describe, loggable, row_moved
 from app.problems import (
-    INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_ALLOWED, NOT_FOUND, SERVICE_UNAVAILABLE, ProblemError, ProblemType,
+    INTERNAL_ERROR, INVALID_REQUEST, KEY_TABLE_UNAVAILABLE, METHOD_NOT_ALLOWED, NOT_FOUND, SERVICE_UNAVAILABLE,
+    ProblemError, ProblemType,
 )
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,12 @@ def install(app: FastAPI) -> None:
     async def _database(request: Request, exc: Exception) -> Response:
         if database_unavailable(exc):
             return unavailable_response(request.url.path, exc, retry_after_seconds(request.app))
+        if row_moved(exc):
+            # The reaper moved the key row as we wrote it; nothing was written.
+            return problem_response(
+                KEY_TABLE_UNAVAILABLE, "the key row was being moved; retry with the same Idempotency-Key",
+                instance=request.url.path, headers={"Retry-After": str(retry_after_seconds(request.app))},
+            )
         return await _bug(request, exc)  # a bad statement, a refused PSP connection: a bug's 500
 
     for exc_type in DATABASE_ERRORS:

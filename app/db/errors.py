@@ -65,6 +65,20 @@ def database_unavailable(exc: BaseException) -> bool:
     return any(_says_unavailable(e) for e in _chain(exc))
 
 
+def row_moved(exc: BaseException) -> bool:
+    """True if a write met a key row that the reaper moved to another partition meanwhile.
+
+    PostgreSQL cannot follow a row across partitions: an UPDATE that waited
+    for the row lock of a row being moved fails with a serialization failure
+    (40001) instead of updating it in its new place. Nothing was written;
+    the same request a moment later finds the row where it now is. Rare: the
+    reaper moves only rows that nobody holds a live lease on.
+    """
+    return any(
+        isinstance(e, asyncpg.SerializationError) and "moved to another partition" in str(e) for e in _chain(exc)
+    )
+
+
 def describe(exc: BaseException) -> str:
     """One line for a log: the driver's own error, never SQLAlchemy's text.
 

@@ -56,6 +56,22 @@ async def one_statement(
         return await phase(conn, *args, **kwargs)
 
 
+async def autocommit(
+    engine: AsyncEngine,
+    work: Callable[Concatenate[AsyncConnection, P], Awaitable[T]],
+    *args: P.args,
+    **kwargs: P.kwargs,
+) -> T:
+    """Run maintenance in which every statement commits on its own (no transaction block).
+
+    For the key table's partition upkeep (app/idempotency/partitions.py), whose
+    statements are each complete in themselves and must not hold the locks of
+    one across the next. Never for a phase of a payment: use `atomic` or
+    `one_statement`.
+    """
+    return await one_statement(engine, work, *args, **kwargs)
+
+
 async def read(
     engine: AsyncEngine,
     query: Callable[Concatenate[AsyncConnection, P], Awaitable[T]],

@@ -1,7 +1,8 @@
 """The key table: its SQL, and the operations on it outside the hot path.
 
-Ownership is decided by the database alone: a claim is an INSERT that either
-returns a row or does not, a takeover is a conditional UPDATE that either
+Ownership is decided by the database alone: a claim is one statement that
+either returns a new lease or does not (an INSERT made unique across the key
+table's daily partitions by a lock; see CLAIM_SQL), a takeover is a conditional UPDATE that either
 returns a row or does not, and every later write names the lease token it was
 given, so a stalled owner whose lease was taken over updates zero rows and is
 stopped (`LeaseLost`). Lease times use the database's clock, never a
@@ -99,18 +100,19 @@ _EVENT_NEW_ATTEMPT = _event(recovery_point="recovery_point", attempt="attempts +
 
 # The claim, the advance and the finish below are also the first step (the
 # "fence") of the single-statement phases, written out in app/payments/sql.py.
+#
+# The claim calls claim_idempotency_key (migration 0006): it takes an
+# advisory lock on (client_id, key), looks for the key in every day's
+# partition with a snapshot taken after the lock, and inserts the row into
+# today's partition only if the key is nowhere. It returns the new lease
+# token, or NULL (so no row here) when the key exists: the caller then reads
+# the stored row. Its INSERT fails with "no partition ... found for row" if
+# today's partition is missing (app/payments/phases.py answers that 503).
 CLAIM_SQL = """
-    INSERT INTO idempotency_key AS k
-        (client_id, key, endpoint, request_hash, state, recovery_point, payment_id,
-         lease_token, lease_expires_at, timeline)
-    VALUES (:client_id, :key, :endpoint, :request_hash, 'started', :recovery_point,
-            :payment_id, gen_random_uuid(),
-            now() + make_interval(secs => :lease_seconds),
-            jsonb_build_array(jsonb_build_object(
-                'at', now(), 'event', 'claimed',
-                'recovery_point', CAST(:recovery_point AS text), 'attempt', 1)))
-    ON CONFLICT (client_id, key) DO NOTHING
-    RETURNING lease_token
+    SELECT claimed.lease_token
+      FROM claim_idempotency_key(:client_id, :key, :endpoint, :request_hash, :recovery_point,
+                                 :payment_id, :lease_seconds) AS claimed(lease_token)
+     WHERE claimed.lease_token IS NOT NULL
 """
 
 _LOAD = text(f"SELECT {_COLUMNS} FROM idempotency_key k WHERE k.client_id = :client_id AND k.key = :key")

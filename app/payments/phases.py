@@ -43,7 +43,7 @@ from app.payments.models import Payment, PaymentRequest, PaymentView, fee_for
 from app.payments.recovery_points import (
     EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED, STEP_CHARGE, STEP_REFUND, STEP_TRANSFER,
 )
-from app.problems import DUPLICATE_PAYMENT, ProblemError
+from app.problems import DUPLICATE_PAYMENT, KEY_TABLE_UNAVAILABLE, ProblemError
 from app.rails.answers import Charge, Refund, Transfer
 
 ENDPOINT = "POST /v1/payments"
@@ -56,6 +56,8 @@ FINAL_STATUS_CODE = 201
 # (tests/unit/test_stored_response_cap.py); a larger one is a bug, refused
 # before it is stored. The database refuses it too (migration 0005).
 MAX_STORED_RESPONSE_BYTES = 4096
+# A missing partition is not fixed in a second: someone must run the upkeep.
+KEY_TABLE_RETRY_AFTER_SECONDS = 30
 
 
 def new_payment_id() -> uuid.UUID:
@@ -123,6 +125,13 @@ async def handler1(
             )
         ).mappings().one_or_none()
     except IntegrityError as exc:
+        if "no partition of relation" in str(exc.orig):
+            # Today's partition of the key table is missing: its upkeep has
+            # not run for a week. Nothing was written; say so, never a 500.
+            raise ProblemError(
+                KEY_TABLE_UNAVAILABLE, "the key table has no partition for today; retry later with the same key",
+                headers={"Retry-After": str(KEY_TABLE_RETRY_AFTER_SECONDS)},
+            ) from None
         if "idempotency_key_payment_id_fkey" not in str(exc.orig):
             raise
         # The reference is taken: the statement, claim included, was rolled

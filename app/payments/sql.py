@@ -38,28 +38,23 @@ from sqlalchemy import text
 
 # phases.handler1: claim the key and create the payment -> EXT1_SENT.
 #
-# The claim is the fence of this phase: it inserts the key row, or, if the key
-# exists, nothing, and then nothing else happens either. If the claim inserts
-# a key row but the payment insert finds the reference already taken, the key
-# row would name a payment that does not exist. Its foreign key to payment is
-# DEFERRABLE INITIALLY DEFERRED, so PostgreSQL checks it when the statement
-# ends, refuses, and rolls the whole statement back, claim included: a
-# duplicate reference leaves no trace. (The caller turns that refusal into
-# 409 duplicate-payment.)
+# The claim is the fence of this phase: claim_idempotency_key inserts the key
+# row and returns its lease token, or, if the key exists in any day's
+# partition, returns nothing, and then nothing else happens either
+# (CLAIM_SQL in app/idempotency/store.py says how it stays unique across
+# days). If the claim inserts a key row but the payment insert finds the
+# reference already taken, the key row would name a payment that does not
+# exist. Its foreign key to payment is DEFERRABLE INITIALLY DEFERRED, so
+# PostgreSQL checks it when the statement ends, refuses, and rolls the whole
+# statement back, claim included: a duplicate reference leaves no trace.
+# (The caller turns that refusal into 409 duplicate-payment.)
 HANDLER1 = text(
     """
     WITH claim AS (
-        INSERT INTO idempotency_key AS k
-            (client_id, key, endpoint, request_hash, state, recovery_point, payment_id,
-             lease_token, lease_expires_at, timeline)
-        VALUES (:client_id, :key, :endpoint, :request_hash, 'started', :recovery_point,
-                :payment_id, gen_random_uuid(),
-                now() + make_interval(secs => :lease_seconds),
-                jsonb_build_array(jsonb_build_object(
-                    'at', now(), 'event', 'claimed',
-                    'recovery_point', CAST(:recovery_point AS text), 'attempt', 1)))
-        ON CONFLICT (client_id, key) DO NOTHING
-        RETURNING lease_token
+        SELECT claimed.lease_token
+          FROM claim_idempotency_key(:client_id, :key, :endpoint, :request_hash, :recovery_point,
+                                     :payment_id, :lease_seconds) AS claimed(lease_token)
+         WHERE claimed.lease_token IS NOT NULL
     ), created AS (
         INSERT INTO payment
             (id, client_id, reference, amount_minor, currency, fee_minor, net_minor,
