@@ -456,13 +456,14 @@ def run(
     api_port: int = typer.Option(8000, envvar="API_PORT"),
     psp_port: int = typer.Option(8101, envvar="PSP_PORT"),
     rail_port: int = typer.Option(8102, envvar="RAIL_PORT"),
+    merchant_port: int = typer.Option(8103, envvar="MERCHANT_PORT"),
 ) -> None:
-    """Start everything: database, migrations, fake PSP, fake rail, API, worker. Ctrl-C stops it all."""
+    """Start everything: database, migrations, fake PSP, fake rail, fake merchant, API, worker. Ctrl-C stops it all."""
     # Development tooling (devtools/run.py), not the service: imported here
     # only, so nothing else the service runs depends on it.
     from devtools.run import run as run_system
 
-    run_system(console, api_port, psp_port, rail_port)
+    run_system(console, api_port, psp_port, rail_port, merchant_port)
 
 
 def main() -> None:
