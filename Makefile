@@ -10,7 +10,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run cluster soak test mutants bench screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash
+.PHONY: install run cluster soak test mutants bench screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-webhooks
 
 install: $(STAMP)
 
@@ -86,6 +86,10 @@ demo-client-bug: $(STAMP)
 # Indeterminate payouts on a legacy rail, settled by `payments reconcile` (docs/reconciliation.md).
 demo-reconcile: $(STAMP)
 	$(BIN)/python -m demos.reconcile
+
+# A payment's webhook, the dispatcher killed mid-delivery, the merchant's inbox applying it once (docs/outbox-inbox.md).
+demo-webhooks: $(STAMP)
+	$(BIN)/python -m demos.webhooks
 
 # Re-pin every dependency after editing pyproject.toml.
 lock: $(STAMP)

@@ -19,6 +19,8 @@ clients_cli = typer.Typer(help="Manage API clients.", no_args_is_help=True)
 cli.add_typer(clients_cli, name="clients")
 keys_cli = typer.Typer(help="Operate the idempotency key table.", no_args_is_help=True)
 cli.add_typer(keys_cli, name="keys")
+events_cli = typer.Typer(help="Events and their webhook deliveries (docs/outbox-inbox.md).", no_args_is_help=True)
+cli.add_typer(events_cli, name="events")
 console = Console()
 
 
@@ -58,7 +60,9 @@ def _settings():
         for error in exc.errors(include_input=False, include_url=False):
             name = "_".join(str(part) for part in error["loc"]).upper()
             message = error["msg"].removeprefix("Value error, ")
-            console.print(f"invalid setting {name}: {message}", style="red", soft_wrap=True, markup=False, highlight=False)
+            # A check across settings has no one name; its message names them.
+            line = f"invalid setting {name}: {message}" if name else f"invalid settings: {message}"
+            console.print(line, style="red", soft_wrap=True, markup=False, highlight=False)
         raise typer.Exit(2) from None
     except ValueError as exc:
         console.print(f"invalid setting PAYMENTS_CRASH_AT: {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
@@ -93,6 +97,45 @@ def migrate_database(url: str) -> list[str]:
             await engine.dispose()
 
     return asyncio.run(ahead())
+
+
+def _on_database(url: str, work):
+    """Run `work(engine)` against `url` with an engine of its own, disposed after."""
+    from app.config import asyncpg_url
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    async def go():
+        engine = create_async_engine(asyncpg_url(url), hide_parameters=True)
+        try:
+            return await work(engine)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
+def set_webhook(url: str, client_name: str, webhook_url: str | None, *, rotate_secret: bool = False):
+    """Set (or with None remove) the webhook endpoint of the client named `client_name`.
+
+    Returns ("set", secret or None), ("removed", cancelled deliveries) or
+    ("no-client", None). Raises InvalidWebhookUrl.
+    """
+    from app import clients
+    from app.db.transaction import atomic
+    from app.outbox import endpoints
+
+    if webhook_url is not None:
+        endpoints.checked_url(webhook_url)
+
+    async def work(conn):
+        client_id = await clients.by_name(conn, client_name)
+        if client_id is None:
+            return "no-client", None
+        if webhook_url is None:
+            return "removed", await endpoints.remove_endpoint(conn, client_id)
+        return "set", await endpoints.set_endpoint(conn, client_id, webhook_url, rotate_secret=rotate_secret)
+
+    return _on_database(url, lambda engine: atomic(engine, work))
 
 
 def create_client(url: str, name: str, api_key: str | None = None) -> tuple[int, str]:
@@ -322,11 +365,158 @@ def keys_reap(
 
 
 @clients_cli.command("create")
-def clients_create(name: str) -> None:
-    """Create a client and print its API key (shown once, stored hashed)."""
-    client_id, api_key = create_client(_database_url(), name)
+def clients_create(
+    name: str,
+    webhook_url: str = typer.Option(None, "--webhook-url", help="POST this client's events here (Standard Webhooks)."),
+) -> None:
+    """Create a client and print its API key (shown once, stored hashed), and its webhook secret."""
+    from app.outbox.endpoints import InvalidWebhookUrl, checked_url
+
+    url = _database_url()
+    if webhook_url is not None:
+        try:
+            checked_url(webhook_url)
+        except InvalidWebhookUrl as exc:
+            console.print(str(exc), style="red", soft_wrap=True, markup=False, highlight=False)
+            raise typer.Exit(2) from None
+    client_id, api_key = create_client(url, name)
     console.print(f"client {client_id} ({name}) API key: [bold]{api_key}[/]")
     console.print("It is stored only as a hash: keep it now.")
+    if webhook_url is not None:
+        _, secret = set_webhook(url, name, webhook_url)
+        _print_secret(webhook_url, secret)
+
+
+def _print_secret(webhook_url: str, secret: str | None) -> None:
+    console.print(f"webhook endpoint: {webhook_url}", soft_wrap=True, markup=False, highlight=False)
+    if secret is not None:
+        console.print(f"webhook signing secret: [bold]{secret}[/]", soft_wrap=True, highlight=False)
+        console.print("It is shown once: give it to the endpoint, which verifies every webhook with it.")
+
+
+@clients_cli.command("set-webhook")
+def clients_set_webhook(
+    name: str,
+    webhook_url: str,
+    rotate_secret: bool = typer.Option(False, "--rotate-secret", help="Generate a new signing secret (shown once)."),
+) -> None:
+    """Set or change the client's webhook URL; pending deliveries go to the new one."""
+    from app.outbox.endpoints import InvalidWebhookUrl
+
+    try:
+        status, secret = set_webhook(_database_url(), name, webhook_url, rotate_secret=rotate_secret)
+    except InvalidWebhookUrl as exc:
+        console.print(str(exc), style="red", soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    if status == "no-client":
+        console.print(f"no client named {name!r}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1)
+    _print_secret(webhook_url, secret)
+    if secret is None:
+        console.print("the signing secret is unchanged")
+
+
+@clients_cli.command("remove-webhook")
+def clients_remove_webhook(name: str) -> None:
+    """Remove the client's webhook endpoint; its pending deliveries are cancelled (events stay in GET /v1/events)."""
+    status, cancelled = set_webhook(_database_url(), name, None)
+    if status == "no-client":
+        console.print(f"no client named {name!r}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1)
+    if cancelled is None:
+        console.print(f"client {name!r} has no webhook endpoint", markup=False, highlight=False)
+        return
+    console.print(f"webhook endpoint removed; {cancelled} pending deliveries cancelled", markup=False, highlight=False)
+
+
+@events_cli.command("redeliver")
+def events_redeliver(event_id: str) -> None:
+    """Deliver an event's webhook again, with a fresh retry schedule (a dead one, or any finished one)."""
+    import uuid
+
+    from app.db.transaction import atomic
+    from app.outbox import delivery
+
+    try:
+        eid = uuid.UUID(event_id)
+    except ValueError:
+        console.print(f"not an event id: {event_id!r}", style="red", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+
+    async def work(conn):
+        found = await delivery.delivery(conn, eid)
+        if found is None:
+            return "no-event", None
+        if found["endpoint_url"] is None:
+            return "no-endpoint", found
+        if not await delivery.redeliver(conn, eid):
+            return "pending", found
+        return "queued", found
+
+    status, found = _on_database(_database_url(), lambda engine: atomic(engine, work))
+    if status == "no-event":
+        console.print(f"no event {eid}", style="red")
+        raise typer.Exit(1)
+    if status == "no-endpoint":
+        console.print(f"event {eid}'s client has no webhook endpoint (payments clients set-webhook)", style="red")
+        raise typer.Exit(1)
+    if status == "pending":
+        console.print(f"event {eid} is already pending delivery (next attempt at {found['next_attempt_at']:%Y-%m-%d %H:%M:%S})")
+        return
+    console.print(f"event {eid} ({found['type']}) queued for delivery to {found['endpoint_url']}",
+                  soft_wrap=True, markup=False, highlight=False)
+
+
+@events_cli.command("list")
+def events_list(
+    state: str = typer.Option(None, "--state", help="pending, delivered, dead or cancelled (default: all)."),
+    limit: int = typer.Option(20, "--limit", min=1, max=1000),
+) -> None:
+    """The newest webhook deliveries, with their state and last error (`--state dead`: those waiting for a person)."""
+    from app.db.transaction import read
+    from app.outbox import delivery
+
+    if state not in (None, "pending", "delivered", "dead", "cancelled"):
+        console.print("--state is pending, delivered, dead or cancelled", style="red")
+        raise typer.Exit(2)
+    rows = _on_database(_database_url(), lambda engine: read(engine, delivery.deliveries, state, limit))
+    if not rows:
+        console.print("no deliveries" + (f" in state {state}" if state else ""))
+        return
+    for r in rows:
+        last = f"HTTP {r['last_status']}" if r["last_status"] else (r["last_error"] or "-")
+        console.print(
+            f"{r['event_id']}  {r['type']:22} {r['state']:9} attempts {r['attempts']:<3} last {last}"
+            f"  client {r['client']}  updated {r['updated_at']:%Y-%m-%d %H:%M:%S}",
+            soft_wrap=True, markup=False, highlight=False,
+        )
+
+
+@events_cli.command("attempts")
+def events_attempts(event_id: str) -> None:
+    """Every delivery attempt of one event: when, where, status, latency, error class."""
+    import uuid
+
+    from app.db.transaction import read
+    from app.outbox import delivery
+
+    try:
+        eid = uuid.UUID(event_id)
+    except ValueError:
+        console.print(f"not an event id: {event_id!r}", style="red", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    rows = _on_database(_database_url(), lambda engine: read(engine, delivery.attempts, eid))
+    if not rows:
+        console.print(f"no delivery attempts of event {eid}")
+        return
+    for r in rows:
+        outcome = r["outcome"] or "no outcome recorded (the dispatcher died mid-flight)"
+        latency = f"{r['latency_ms']:.0f} ms" if r["latency_ms"] is not None else "-"
+        console.print(
+            f"#{r['attempt']:<3} {r['started_at']:%Y-%m-%d %H:%M:%S}  {outcome:9} status {r['status_code'] or '-'}"
+            f"  {latency}  {r['error_class'] or ''} {r['error'] or ''}  {r['url'] or ''}",
+            soft_wrap=True, markup=False, highlight=False,
+        )
 
 
 @cli.command()
@@ -334,13 +524,14 @@ def run(
     api_port: int = typer.Option(8000, envvar="API_PORT"),
     psp_port: int = typer.Option(8101, envvar="PSP_PORT"),
     rail_port: int = typer.Option(8102, envvar="RAIL_PORT"),
+    merchant_port: int = typer.Option(8103, envvar="MERCHANT_PORT"),
 ) -> None:
-    """Start everything: database, migrations, fake PSP, fake rail, API, worker. Ctrl-C stops it all."""
+    """Start everything: database, migrations, fake PSP, fake rail, fake merchant, API, worker. Ctrl-C stops it all."""
     # Development tooling (devtools/run.py), not the service: imported here
     # only, so nothing else the service runs depends on it.
     from devtools.run import run as run_system
 
-    run_system(console, api_port, psp_port, rail_port)
+    run_system(console, api_port, psp_port, rail_port, merchant_port)
 
 
 def main() -> None:

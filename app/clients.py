@@ -18,6 +18,8 @@ API_KEY_PREFIX = "sk_test_"
 
 _INSERT = text("INSERT INTO client (name, api_key_hash) VALUES (:name, :hash) RETURNING id")
 _BY_HASH = text("SELECT id FROM client WHERE api_key_hash = :hash")
+# Names are not unique (two clients may share one); the newest wins.
+_BY_NAME = text("SELECT id FROM client WHERE name = :name ORDER BY id DESC LIMIT 1")
 
 
 def new_api_key() -> str:
@@ -35,3 +37,8 @@ async def create(conn: AsyncConnection, name: str, api_key: str) -> int:
 async def authenticate(conn: AsyncConnection, api_key: str) -> int | None:
     """The client id owning `api_key`, or None."""
     return (await conn.execute(_BY_HASH, dict(hash=hash_api_key(api_key)))).scalar_one_or_none()
+
+
+async def by_name(conn: AsyncConnection, name: str) -> int | None:
+    """The id of the newest client named `name`, or None."""
+    return (await conn.execute(_BY_NAME, dict(name=name))).scalar_one_or_none()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from pydantic import Field, SecretStr, ValidationInfo, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.iban import normalise_all
@@ -134,6 +134,21 @@ class Settings(BaseSettings):
     # How often `payments worker` checks whether today's partition upkeep
     # (create ahead, reap) has run; the durable tick makes it once per day.
     key_reap_every_seconds: float = Field(default=300.0, gt=0)
+    # Webhooks (app/workers/webhooks.py): how long a merchant's endpoint
+    # may take to answer before the attempt counts as a timeout, and how long
+    # a dispatcher's claim on a delivery lasts (it must outlast the POST: a
+    # dispatcher that dies mid-delivery leaves it to be redelivered after it).
+    webhook_timeout_seconds: float = Field(default=10.0, gt=0)
+    webhook_lease_seconds: float = Field(default=30.0, gt=0)
+    # The retry schedule: after failed attempt n, wait base * 2^(n-1), capped,
+    # with jitter (a random half); give up after `webhook_max_attempts` and
+    # mark the delivery dead, for a person (`payments events redeliver`).
+    # The defaults retry for about 1 to 2 days (docs/outbox-inbox.md).
+    webhook_max_attempts: int = Field(default=16, ge=1)
+    webhook_backoff_base_seconds: float = Field(default=30.0, gt=0)
+    webhook_backoff_cap_seconds: float = Field(default=21600.0, gt=0)
+    # Deliveries one worker has in flight at once.
+    webhook_concurrency: int = Field(default=16, ge=1)
     # Crash tests and demos only: die at this named point (app.payments.crash_points;
     # the commands check the name at start-up, app/cli.py::_settings).
     payments_crash_at: str | None = None
@@ -188,6 +203,14 @@ class Settings(BaseSettings):
                 f"keep keys at least {floor} h"
             )
         return value
+
+    @model_validator(mode="after")
+    def _lease_outlasts_a_post(self) -> Settings:
+        # A claim that ran out while its POST was still waiting would let a
+        # second dispatcher deliver the same event at the same time.
+        if self.webhook_lease_seconds <= self.webhook_timeout_seconds:
+            raise ValueError("WEBHOOK_LEASE_SECONDS must be longer than WEBHOOK_TIMEOUT_SECONDS")
+        return self
 
     @field_validator("database_url")
     @classmethod

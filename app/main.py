@@ -31,6 +31,7 @@ Errors are `application/problem+json` (RFC 9457). Problem types:
 
 OPENAPI_TAGS = [
     {"name": "payments", "description": "Create a payment, exactly once, and read it back."},
+    {"name": "events", "description": "The decisions about your payments, as a feed; webhooks carry the same events."},
     {"name": "idempotency keys", "description": "An operation's state machine row and timeline, for learners and operators."},
     {"name": "meta", "description": "What a problem `type` means; whether the service can reach its database."},
 ]

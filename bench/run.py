@@ -16,6 +16,13 @@ new payments/s and p50 / p99 latency, phased vs naive, and their ratio
     is at least 0.8x the twin's rate with a p99 at most 2x the twin's. p99
     shows the queueing that a mean hides. Each figure comes from several
     rounds; the rate's min-max over the rounds is the run-to-run spread.
+new payments/s with webhooks, and its ratio to the phased service without
+    The outbox's cost: the "webhooks" variant is the phased service paid by
+    a client with a webhook endpoint, so every payment also writes its event
+    and delivery, and one `payments worker` POSTs them to the fake merchant
+    during the run. The target is at least 0.9x the phased rate. The
+    undelivered backlog at the start and end of each run shows whether the
+    dispatcher keeps up (it must not grow).
 replays/s and p50 / p99 (phased only)
     A retry of a finished payment must be answered from the stored response,
     without touching the PSP or the rail. Clients retry when the system is
@@ -36,7 +43,7 @@ How it runs (about 8.5 minutes with the defaults, most of it the measured runs):
     create payments_bench and payments_bench_rails; start the fake PSP and rail
     for each worker count (1, then 2):
         start `payments api --workers N` and `payments naive-api --workers N`
-        for each round: phased then naive (odd rounds), naive then phased (even):
+        for each round: phased, webhooks, naive (odd rounds), naive, webhooks, phased (even):
             warm-up (not counted); the measured run; the exactly-once check;
             idle until PostgreSQL has published its statistics
         replays of the last phased run's finished keys: warm-up, run, check
@@ -78,11 +85,13 @@ from bench.checks import Check, exactly_once, replays_check
 from bench.costs import STATS_SETTLE_SECONDS, CpuMeter, Wal, WalCount
 from bench.load import Load, Paid, RunResult, latency_ms
 from bench.system import (
-    NAIVE, PHASED, RESULTS, Databases, Server, Service, apis, console, database_server, fakes, prepare_databases,
-    running,
+    NAIVE, PHASED, RESULTS, WEBHOOKS, Databases, Server, Service, apis, console, database_server, fakes,
+    merchant_and_worker, prepare_databases, register_webhook, running,
 )
 
 REPLAY_KEYS = 1000
+# After a webhooks run, how long the bench waits for the dispatcher to deliver what is left.
+DRAIN_WAIT_SECONDS = 60.0
 T = TypeVar("T")
 DEFAULT_WORKERS = "1,2"
 
@@ -114,6 +123,10 @@ class Measured:
     others: list[tuple[str, float]] = field(default_factory=list)  # the busiest processes not ours
     checks: list[Check] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds of the bench's own time, by step
+    # The webhooks variant: deliveries not yet delivered when the measured run
+    # started and when it ended, and how long after the end the dispatcher
+    # took to deliver the rest.
+    backlog: dict[str, float | int | None] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -142,6 +155,7 @@ class Measured:
                                           / (self.result.elapsed * (os.cpu_count() or 1)), 1)
             if self.result.elapsed else None,
             "bench_seconds": self.timings,
+            **({"webhook_backlog": self.backlog} if self.backlog else {}),
             "exactly_once": {"pass": self.passed,
                              "checks": [{"check": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks]},
         }
@@ -150,8 +164,10 @@ class Measured:
 class Bench:
     """The measured runs of one bench, on one server, with one pair of fakes."""
 
-    def __init__(self, params: Params, server: Server, dbs: Databases, psp: Service, rail: Service) -> None:
+    def __init__(self, params: Params, server: Server, dbs: Databases, psp: Service, rail: Service,
+                 extra: list[Service] | None = None) -> None:
         self.params, self.server, self.dbs, self.psp, self.rail = params, server, dbs, psp, rail
+        self.merchant, self.worker = extra or (None, None)
         self.runs: list[Measured] = []
         self.settled = 0  # xact_commit when PostgreSQL last published everything
 
@@ -196,8 +212,11 @@ class Bench:
             self.settled = await costs.xact_commit(self.conn)  # the APIs have not run a query yet
             last_phased: list[Paid] = []
             for round_ in range(1, p.runs + 1):
-                order = (PHASED, NAIVE) if round_ % 2 else (NAIVE, PHASED)
+                order = (PHASED, WEBHOOKS, NAIVE) if round_ % 2 else (NAIVE, WEBHOOKS, PHASED)
                 for variant in order:
+                    if variant == WEBHOOKS:
+                        await self.webhooks_round(services[PHASED], workers, round_)
+                        continue
                     async with Load(services[variant].url, self.dbs.api_key, p.concurrency) as load:
                         measured = await self.measure(
                             variant, workers, round_, services[variant], load.new_payments, p.duration,
@@ -217,13 +236,90 @@ class Bench:
                     lambda run: replays_check(self.dbs.rails_url, run, replayed),
                 )
 
+    async def webhooks_round(self, api: Service, workers: int, round_: int) -> None:
+        """The phased service again, paid by the client with a webhook endpoint: the same load, plus the
+        events' deliveries, which the worker's dispatcher POSTs to the fake merchant as the run goes.
+
+        The undelivered backlog is sampled every second of the measured run
+        (a dispatcher that keeps up holds it flat), and after the run the
+        bench notes how long the dispatcher takes to deliver what is left.
+        """
+        p = self.params
+        conn = await asyncpg.connect(self.dbs.service_url)
+        calls: list[float] = []  # one per drive: the warm-up, then the measured run
+        samples: list[int] = []
+        drained: asyncio.Task | None = None
+
+        async def backlog() -> int:
+            return await conn.fetchval("SELECT count(*) FROM webhook_delivery WHERE state = 'pending'")
+
+        async def sample(stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                samples.append(await backlog())
+                try:
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                except TimeoutError:
+                    pass
+
+        async def drain() -> float | None:
+            ended = time.monotonic()
+            while time.monotonic() - ended < DRAIN_WAIT_SECONDS:
+                if await backlog() == 0:
+                    return round(time.monotonic() - ended, 2)
+                await asyncio.sleep(0.1)  # polling the backlog, bounded by DRAIN_WAIT_SECONDS
+            return None
+
+        try:
+            async with Load(api.url, self.dbs.webhook_api_key, p.concurrency) as load:
+                async def drive(duration: float) -> RunResult:
+                    nonlocal drained
+                    calls.append(duration)
+                    if len(calls) == 1:  # the warm-up
+                        return await load.new_payments(duration)
+                    stop = asyncio.Event()
+                    sampler = asyncio.create_task(sample(stop))
+                    result = await load.new_payments(duration)
+                    stop.set()
+                    await sampler
+                    samples.append(await backlog())
+                    drained = asyncio.create_task(drain())
+                    return result
+
+                measured = await self.measure(
+                    WEBHOOKS, workers, round_, api, drive, p.duration,
+                    lambda run: exactly_once(
+                        PHASED, self.dbs.service_url, self.dbs.rails_url, self.dbs.webhook_client_id, run),
+                )
+            measured.backlog = {
+                "at_start": samples[0] if samples else None,
+                "at_end": samples[-1] if samples else None,
+                "max": max(samples) if samples else None,
+                "samples_each_second": samples,
+                "drained_after_end_s": await drained if drained else None,
+                "delivered": await conn.fetchval("SELECT count(*) FROM webhook_delivery WHERE state = 'delivered'"),
+                "dead": await conn.fetchval("SELECT count(*) FROM webhook_delivery WHERE state = 'dead'"),
+            }
+            b = measured.backlog
+            console.print(f"  webhook backlog: {b['at_start']} at the start of the run, at most {b['max']}, "
+                          f"{b['at_end']} at its end; "
+                          + (f"all delivered {b['drained_after_end_s']:g} s after it" if b["drained_after_end_s"]
+                             is not None else f"not all delivered {DRAIN_WAIT_SECONDS:g} s after it"))
+        finally:
+            if drained is not None and not drained.done():
+                drained.cancel()
+            await conn.close()
+
     async def measure(
         self, kind: str, workers: int, round_: int, api: Service,
         drive: Callable[[float], Any], duration: float, check: Callable[[RunResult], Any],
     ) -> Measured:
         """Warm-up, the measured run, then (while PostgreSQL publishes its statistics) its costs and checks."""
         def roles() -> dict[str, list[psutil.Process]]:
-            return {"API": api.tree(), "fake PSP": self.psp.tree(), "fake rail": self.rail.tree()}
+            found = {"API": api.tree(), "fake PSP": self.psp.tree(), "fake rail": self.rail.tree()}
+            if self.worker is not None:
+                # Running in every variant (idle but for its sweeps, except in the webhooks one).
+                found |= {"worker": self.worker.tree(), "fake merchant": self.merchant.tree()}
+            return found
 
         label = f"[{workers}w] " + (f"round {round_} {kind}" if round_ else kind)
         clock = [time.monotonic()]
@@ -322,6 +418,44 @@ class Bench:
         return figures
 
 
+def webhook_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per worker count: the new-payment rate with webhooks over the rate without, and the backlogs."""
+    summary: dict[str, Any] = {}
+    for workers in sorted({r["workers"] for r in runs}):
+        def rates(kind: str) -> list[float]:
+            return [r["run"]["per_second"] for r in runs if r["workers"] == workers and r["kind"] == kind]
+
+        phased, hooked = rates(PHASED), rates(WEBHOOKS)
+        if not phased or not hooked:
+            continue
+        summary[str(workers)] = {
+            "phased_per_second": round(sum(phased) / len(phased), 1),
+            "webhooks_per_second": round(sum(hooked) / len(hooked), 1),
+            "ratio": round(sum(hooked) / len(hooked) / (sum(phased) / len(phased)), 3),
+            "backlog_by_round": [r.get("webhook_backlog") for r in runs
+                                 if r["workers"] == workers and r["kind"] == WEBHOOKS],
+        }
+    return summary
+
+
+def print_webhooks(summary: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title="the outbox's cost: the phased service with webhook endpoints vs without", title_justify="left")
+    for column in ("workers", "new payments/s without", "with webhooks", "ratio (target >= 0.9)",
+                   "backlog at start -> end (max) of each run", "all delivered after the end"):
+        table.add_column(column)
+    for workers, w in summary.items():
+        backlogs = [b or {} for b in w["backlog_by_round"]]
+        table.add_row(
+            workers, f"{w['phased_per_second']:.0f}", f"{w['webhooks_per_second']:.0f}", f"{w['ratio']:.2f}",
+            ", ".join(f"{b.get('at_start')} -> {b.get('at_end')} ({b.get('max')})" for b in backlogs),
+            ", ".join("-" if b.get("drained_after_end_s") is None else f"{b['drained_after_end_s']:g} s"
+                      for b in backlogs),
+        )
+    console.print(table)
+
+
 async def machine(conn: asyncpg.Connection) -> dict[str, Any]:
     names = ["fsync", "synchronous_commit", "max_connections", "shared_buffers", "wal_level", "io_method"]
     settings = dict(await conn.fetch("SELECT name, setting || coalesce(unit, '') FROM pg_settings "
@@ -386,10 +520,13 @@ def main(
         with database_server() as server:
             dbs = prepare_databases(server)
             psp, rail = fakes(dbs.rails_url)
-            with running([psp, rail]), asyncio.Runner(loop_factory=loop_factory) as runner:
-                console.print(f"fake PSP {psp.url}, fake rail {rail.url} (records in payments_bench_rails); "
-                              f"logs in {RESULTS / 'logs'}")
-                measured = runner.run(Bench(params, server, dbs, psp, rail)())
+            merchant, worker = merchant_and_worker(dbs, psp, rail)
+            with running([psp, rail, merchant]), asyncio.Runner(loop_factory=loop_factory) as runner:
+                register_webhook(dbs, merchant)
+                with running([worker]):
+                    console.print(f"fake PSP {psp.url}, fake rail {rail.url}, fake merchant {merchant.url} "
+                                  f"(records in payments_bench_rails), one worker; logs in {RESULTS / 'logs'}")
+                    measured = runner.run(Bench(params, server, dbs, psp, rail, [merchant, worker])())
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]: every process started here was stopped")
         raise typer.Exit(130) from None
@@ -417,7 +554,9 @@ def main(
         **measured,
     }
     results |= report.summarize(results)
+    results["webhooks"] = webhook_summary(results["runs"])
     report.print_report(results)
+    print_webhooks(results["webhooks"])
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"bench-{started_at.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps(results, indent=2, default=str) + "\n")

@@ -127,15 +127,38 @@ class Databases:
     rails_url: str
     api_key: str  # of the client `bench`, which every load-generator request uses
     client_id: int
+    # The client `bench-webhooks`: the same, with a webhook endpoint at the
+    # fake merchant, so each of its payments also writes a delivery that the
+    # worker's dispatcher POSTs during the run (the "webhooks" variant).
+    webhook_api_key: str
+    webhook_client_id: int
+    webhook_secret: str
 
 
 def prepare_databases(server: Server) -> Databases:
-    """Fresh `payments_bench` (migrated, with a client) and `payments_bench_rails`."""
+    """Fresh `payments_bench` (migrated, with two clients) and `payments_bench_rails`."""
+    from app.outbox.endpoints import new_secret
+
     with console.status("creating the bench databases"):
         rails_url = server.system.create_database(RAILS_DATABASE, migrate=False)
         service_url = server.system.create_database(SERVICE_DATABASE)
         client_id, api_key = server.system.create_client("bench")
-    return Databases(service_url, rails_url, api_key, client_id)
+        webhook_client_id, webhook_api_key = server.system.create_client("bench-webhooks")
+    return Databases(service_url, rails_url, api_key, client_id, webhook_api_key, webhook_client_id, new_secret())
+
+
+def register_webhook(dbs: Databases, merchant: Service) -> None:
+    """Point `bench-webhooks`'s endpoint at the fake merchant (which was started with its secret)."""
+
+    async def insert() -> None:
+        conn = await asyncpg.connect(dbs.service_url)
+        try:
+            await conn.execute("INSERT INTO webhook_endpoint (client_id, url, secret) VALUES ($1, $2, $3)",
+                               dbs.webhook_client_id, merchant.url + "/webhooks", dbs.webhook_secret)
+        finally:
+            await conn.close()
+
+    asyncio.run(insert())
 
 
 # --- Processes ----------------------------------------------------------------
@@ -185,6 +208,8 @@ class Service(Process):
 
 PHASED, NAIVE = "phased", "naive"
 VARIANTS = (PHASED, NAIVE)
+# The phased service again, paid by the client with a webhook endpoint.
+WEBHOOKS = "webhooks"
 
 
 @contextmanager
@@ -202,6 +227,17 @@ def fakes(rails_url: str) -> list[Service]:
     system = System()
     return [Service.of(system.fake_process("psp", records_url=rails_url), "fake PSP"),
             Service.of(system.fake_process("rail", records_url=rails_url), "fake rail")]
+
+
+def merchant_and_worker(dbs: Databases, psp: Service, rail: Service) -> list[Service]:
+    """The fake merchant (records in the rails database) and one `payments worker`, whose dispatcher delivers."""
+    system = System()
+    system.database_url, system.psp, system.rail = dbs.service_url, psp, rail
+    merchant = Service.of(system.fake_process("merchant", records_url=dbs.rails_url), "fake merchant")
+    merchant.env["FAKE_MERCHANT_SECRETS"] = dbs.webhook_secret
+    worker = Service.of(system.worker_process("worker"), "worker")
+    worker.ready_line = "worker started"
+    return [merchant, worker]
 
 
 def apis(service_url: str, psp: Service, rail: Service, workers: int) -> dict[str, Service]:

@@ -4,10 +4,11 @@ app/cli.py's `run` command imports this inside the command and calls `run`;
 nothing else in app/ imports devtools. It starts the whole system with
 devtools/system.py: the embedded PostgreSQL unless DATABASE_URL names a
 server (its `payments` database, kept from run to run), migrations, a demo
-client whose key is kept in .data/, the fake PSP, the fake rail, the API and
-the recovery worker on the ports given, then prints how to pay once and a
-link into the operator console (OPERATOR_TOKEN, generated and kept in .data/
-when it is not set). Ctrl-C,
+client whose key is kept in .data/ (with a webhook endpoint at the fake
+merchant), the fake PSP, the fake rail, the fake merchant, the API and the
+worker on the ports given, then prints how to pay once and a link into the
+operator console (OPERATOR_TOKEN, generated and kept in .data/ when it is not
+set). Ctrl-C,
 a closed terminal (SIGHUP) or a SIGTERM stops every process it started and
 the embedded PostgreSQL if it started it.
 
@@ -37,17 +38,23 @@ from devtools.processes import NotHealthy
 from devtools.system import System
 
 
-def run(console: Console, api_port: int, psp_port: int, rail_port: int) -> None:
-    """Start everything: database, migrations, fake PSP, fake rail, API, worker; until Ctrl-C."""
+def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant_port: int = 8103) -> None:
+    """Start everything: database, migrations, fake PSP, fake rail, fake merchant, API, worker; until Ctrl-C."""
     operator_token = os.environ.get("OPERATOR_TOKEN") or kept_operator_token()
     system = System(environ=dict(os.environ, OPERATOR_TOKEN=operator_token))
 
     def start() -> None:
-        api_key = demo_api_key(open_database(system, console))
+        url = open_database(system, console)
+        api_key = demo_api_key(url)
+        # The demo client's webhooks go to the fake merchant, which is told
+        # the signing secret: a learner sees a payment's webhook arrive
+        # (and be applied once) without setting anything up.
+        secret = demo_webhook_secret(url, f"http://127.0.0.1:{merchant_port}/webhooks")
         system.start_fakes(psp_port=psp_port, rail_port=rail_port)
+        system.start_merchant(port=merchant_port, secrets=[secret])
         system.start_api("API", port=api_port)
-        system.start_worker("recovery worker")
-        _print_welcome(console, api_port, psp_port, rail_port, api_key)
+        system.start_worker("worker")
+        _print_welcome(console, api_port, psp_port, rail_port, merchant_port, api_key)
         print_console_link(console, f"http://127.0.0.1:{api_port}", operator_token)
         console.print(STOP_HINT)
 
@@ -154,12 +161,32 @@ def print_console_link(console: Console, api_url: str, operator_token: str, page
     console.print(link, soft_wrap=True, highlight=False, markup=False)
 
 
-def _print_welcome(console: Console, api_port: int, psp_port: int, rail_port: int, api_key: str) -> None:
+def demo_webhook_secret(url: str, webhook_url: str) -> str:
+    """Point the demo client's webhook endpoint at `webhook_url` (created the first time); its signing secret."""
+    from app.cli import _on_database, set_webhook
+    from app.db.transaction import read
+    from app.outbox import endpoints
+    from app import clients
+
+    set_webhook(url, "demo", webhook_url)
+
+    async def secret(conn) -> str:
+        client_id = await clients.by_name(conn, "demo")
+        found = await endpoints.get_endpoint(conn, client_id)
+        assert found is not None
+        return found[1]
+
+    return _on_database(url, lambda engine: read(engine, secret))
+
+
+def _print_welcome(console: Console, api_port: int, psp_port: int, rail_port: int, merchant_port: int,
+                   api_key: str) -> None:
     console.rule("[bold green]exactly-once payments is running")
     console.print(f"API        http://127.0.0.1:{api_port}   (OpenAPI UI: http://127.0.0.1:{api_port}/docs)")
     console.print(f"fake PSP   http://127.0.0.1:{psp_port}   (records: /_admin/charges)")
     console.print(f"fake rail  http://127.0.0.1:{rail_port}   (records: /_admin/transfers)")
-    console.print("worker     the recovery worker resumes any payment whose owner died")
+    console.print(f"merchant   http://127.0.0.1:{merchant_port}   (the demo client's webhooks: /_admin/received, /_admin/inbox)")
+    console.print("worker     resumes any payment whose owner died, reconciles, delivers webhooks")
     print_pay_once(console, f"http://127.0.0.1:{api_port}", api_key)
 
 

@@ -11,7 +11,7 @@ order they depend on each other:
    an existing one (`make run` keeps its data), brought to the newest
    migration;
 3. a client and its API key;
-4. the fake PSP and the fake rail;
+4. the fake PSP and the fake rail, and the fake merchant (a webhook endpoint);
 5. API processes (`payments api`, or `payments naive-api`) and workers;
 6. nginx in front of several API processes (devtools/nginx.py), for `make
    cluster` and the chaos soak.
@@ -93,6 +93,7 @@ class System:
         self.database_url = ""
         self.psp: Process | None = None
         self.rail: Process | None = None
+        self.merchant: Process | None = None
         self.processes: list[Process] = []
         self._exit = ExitStack()
 
@@ -153,6 +154,16 @@ class System:
         self.rail = self.spawn(self.fake_process("rail", *rail_args, port=rail_port, records_url=records_url))
         return self.psp, self.rail
 
+    def start_merchant(self, *, port: int | None = None, records_url: str | None = None,
+                       secrets: Iterable[str] = ()) -> Process:
+        """The fake merchant (a client's webhook endpoint, POST /webhooks), verifying with `secrets`
+        (more can be added over its /_admin/secrets); it becomes this system's `merchant`."""
+        process = self.fake_process("merchant", port=port, records_url=records_url)
+        if secrets:
+            process.env["FAKE_MERCHANT_SECRETS"] = ",".join(secrets)
+        self.merchant = self.spawn(process)
+        return self.merchant
+
     def start_fake(self, kind: str, *args: str, port: int | None = None, records_url: str | None = None) -> Process:
         """One more `fake-psp` or `fake-rail` (`kind` "psp" or "rail"); see fake_process."""
         return self.spawn(self.fake_process(kind, *args, port=port, records_url=records_url))
@@ -180,7 +191,7 @@ class System:
     # -- the processes, before they start (start them with `spawn`) -----------
 
     def fake_process(self, kind: str, *args: str, port: int | None = None, records_url: str | None = None) -> Process:
-        """`fake-psp` or `fake-rail` (`kind` "psp" or "rail") on `port` (default: a free one),
+        """`fake-psp`, `fake-rail` or `fake-merchant` (`kind` "psp", "rail" or "merchant") on `port` (default: a free one),
         keeping its records in `records_url`, else in the service's database."""
         if records_url:
             env = self._base() | {"FAKE_RAILS_DATABASE_URL": records_url}
@@ -230,8 +241,8 @@ class System:
     def scope(self, logs: Path | None = None) -> System:
         """A system on this one's database and fakes, with its settings, owning only what it starts itself."""
         scoped = System(logs if logs is not None else self.logs, settings=self.settings, environ=self.environ)
-        scoped.postgres, scoped.database_url, scoped.psp, scoped.rail = (
-            self.postgres, self.database_url, self.psp, self.rail)
+        scoped.postgres, scoped.database_url, scoped.psp, scoped.rail, scoped.merchant = (
+            self.postgres, self.database_url, self.psp, self.rail, self.merchant)
         return scoped
 
     def _base(self) -> dict[str, str]:

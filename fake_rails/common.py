@@ -263,7 +263,7 @@ def _jsonable(value: Any) -> Any:
 Action = Literal[
     "delay", "error_before", "error_after", "hang_after", "decline", "reject", "rate_limit"
 ]
-Operation = Literal["charge", "refund", "transfer"]
+Operation = Literal["charge", "refund", "transfer", "webhook"]
 
 # A business outcome only exists for one operation.
 ONLY_FOR: dict[str, str] = {"decline": "charge", "reject": "transfer"}

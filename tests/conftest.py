@@ -32,6 +32,7 @@ import pytest
 
 from app import clients
 from app.config import Settings
+from app.outbox import endpoints
 from devtools.processes import BIN, Process
 from devtools.system import System
 
@@ -136,12 +137,19 @@ async def clean(stack: Stack, db: asyncpg.Connection) -> None:
     """Empty tables and fault plans; autouse in integration/ and crash/."""
     await db.execute(
         "TRUNCATE reconciliation_break, scheduled_run, ledger_entry, idempotency_key, payment, client, "
+        "event, webhook_endpoint, webhook_delivery, webhook_attempt, "
         "fake_psp.charge, fake_psp.refund, fake_psp.request, fake_rail.transfer, fake_rail.closed_day, "
         "fake_rail.request"
     )
     async with httpx.AsyncClient() as client:
         for rail in (stack.psp, stack.rail):
             (await client.delete(rail.url + "/_admin/faults")).raise_for_status()
+
+
+@pytest.fixture(scope="session")
+def merchant(system: System, stack: Stack) -> Process:
+    """The fake merchant (a webhook endpoint), for the whole session; its records in the test database."""
+    return system.start_merchant()
 
 
 @dataclass(frozen=True)
@@ -160,6 +168,31 @@ async def make_client(db: asyncpg.Connection, name: str) -> Client:
         "INSERT INTO client (name, api_key_hash) VALUES ($1, $2) RETURNING id", name, clients.hash_api_key(api_key)
     )
     return Client(client_id, api_key)
+
+
+@dataclass(frozen=True)
+class Shop(Client):
+    """A client whose events are POSTed to the fake merchant, which knows its signing secret."""
+
+    webhook_url: str
+    secret: str
+
+
+@pytest.fixture
+async def shop(db: asyncpg.Connection, stack: Stack, merchant: Process, clean: None) -> Shop:
+    """A client with a webhook endpoint at the fake merchant; the merchant's records and faults emptied."""
+    await db.execute(
+        "TRUNCATE fake_merchant.processed_message, fake_merchant.payment, fake_merchant.received, "
+        "fake_merchant.secret, fake_merchant.request"
+    )
+    client = await make_client(db, "shop")
+    secret = endpoints.new_secret()
+    url = merchant.url + "/webhooks"
+    await db.execute("INSERT INTO webhook_endpoint (client_id, url, secret) VALUES ($1, $2, $3)", client.id, url, secret)
+    async with httpx.AsyncClient() as http:
+        (await http.delete(merchant.url + "/_admin/faults")).raise_for_status()
+        (await http.put(merchant.url + "/_admin/secrets", json={"secrets": [secret]})).raise_for_status()
+    return Shop(client.id, client.api_key, url, secret)
 
 
 @pytest.fixture

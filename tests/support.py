@@ -65,6 +65,12 @@ async def unbalanced_payments(db: asyncpg.Connection) -> list[asyncpg.Record]:
     )
 
 
+async def event_types(db: asyncpg.Connection, payment_id) -> list[str]:
+    """The types of the events written for a payment, oldest first."""
+    rows = await db.fetch("SELECT type FROM event WHERE payment_id = $1 ORDER BY id", payment_id)
+    return [r["type"] for r in rows]
+
+
 async def until(condition, what: str, timeout: float = 30.0) -> None:
     """Wait for a durable fact (polling the database), failing after `timeout` seconds."""
     deadline = time.monotonic() + timeout

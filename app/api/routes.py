@@ -8,16 +8,17 @@ import logging
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Query, Response
 
 from app.api.deps import Caller, ClientId, ServicesDep
 from app.api.errors import problem_response
-from app.api.schemas import KeyView, ProblemDoc
+from app.api.schemas import EventList, EventView, KeyView, ProblemDoc
 from app.db.engine import ping
 from app.db.errors import describe
 from app.db.transaction import read
 from app.idempotency import store as keys
 from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
+from app.outbox import events
 from app.payments import store as payments
 from app.payments.models import PaymentRequest, PaymentView
 from app.payments.runner import Finished
@@ -129,6 +130,34 @@ async def get_idempotency_key(services: ServicesDep, client_id: ClientId, key: s
     if row is None:
         raise ProblemError(NOT_FOUND, "no such idempotency key")
     return KeyView.of(row)
+
+
+@router.get(
+    "/v1/events",
+    response_model=EventList,
+    summary="Your events, oldest first",
+    tags=["events"],
+    description=(
+        "Every decision about your payments a webhook would carry (`payment.succeeded`, "
+        "`payment.declined`, `payment.failed`, `payment.indeterminate`), in id order. Page with "
+        "`after` = the last id you have. Events of the last second are not listed yet, so that an "
+        "event still committing can never fall behind your cursor (docs/outbox-inbox.md)."
+    ),
+    responses={400: _problem_doc("invalid-request"), 401: _problem_doc("unauthenticated")},
+)
+async def list_events(
+    services: ServicesDep,
+    client_id: ClientId,
+    after: uuid.UUID | None = Query(None, description="Only events after this event id."),
+    limit: int = Query(50, ge=1, le=events.MAX_PAGE),
+) -> EventList:
+    found = await read(services.engine, events.feed, client_id, after, limit + 1)
+    page = found[:limit]
+    return EventList(
+        data=[EventView.of(e) for e in page],
+        has_more=len(found) > limit,
+        next_after=page[-1].id if page else after,
+    )
 
 
 @router.get("/problems/{slug}", response_model=ProblemDoc, summary="What a problem `type` means", tags=["meta"])

@@ -9,6 +9,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from app.idempotency.store import KeyRow
+from app.outbox.events import Event
+from app.payments.models import PaymentView
 
 
 class TimelineEntry(BaseModel):
@@ -70,3 +72,24 @@ class ProblemDoc(BaseModel):
 
 def problem_example(slug: str, status: int, title: str, detail: str, **extra: Any) -> dict[str, Any]:
     return {"type": f"/problems/{slug}", "title": title, "status": status, "detail": detail, **extra}
+
+
+class EventView(BaseModel):
+    """A decision about one of your payments, as `GET /v1/events` lists it and a webhook carries it."""
+
+    id: uuid.UUID = Field(description="UUIDv7, time-ordered; the webhook's `webhook-id` (your idempotency key).")
+    object: Literal["event"] = "event"
+    type: str = Field(description="`payment.succeeded`, `payment.declined`, `payment.failed` or `payment.indeterminate`.")
+    created_at: datetime
+    data: PaymentView = Field(description="The payment as it stood when the event was written.")
+
+    @classmethod
+    def of(cls, event: Event) -> EventView:
+        return cls(id=event.id, type=event.type, created_at=event.created_at, data=event.data)
+
+
+class EventList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EventView]
+    has_more: bool = Field(description="More events follow: ask again with `after` = `next_after`.")
+    next_after: uuid.UUID | None = Field(description="The last event's id here: the cursor for the next page.")

@@ -15,8 +15,14 @@ each external step N:
     after-call-EXTN       external call N was applied; its outcome is not yet
                           committed (the "debited, then crashed" case)
 
-and one inside the reconciliation job (`payments reconcile`), which no
-payment request reaches: reconcile-after-settlement.
+one inside the reconciliation job (`payments reconcile`), which no
+payment request reaches: reconcile-after-settlement; and two in the webhook
+dispatcher of `payments worker` (app/workers/webhooks.py):
+
+    webhook-after-claim     deliveries are claimed (leased, the attempt
+                            counted); nothing has been POSTed
+    webhook-after-delivery  the merchant answered a POST; the answer is not
+                            recorded yet
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ POINTS: dict[str, str] = {
     "after-call-EXT3": "The PSP refunded the charge; the refund is not recorded yet.",
     f"after-commit-{FINISHED}": "The final response is stored; the client has not received it.",
     "reconcile-after-settlement": "A reconciliation run settled one payment; the rest of its window is not done.",
+    "webhook-after-claim": "The dispatcher claimed due deliveries (leased, attempt counted); nothing is POSTed yet.",
+    "webhook-after-delivery": "The merchant answered a webhook POST; the attempt is not recorded yet.",
 }
 
 # Which external call each SENT point makes (for the after-call-EXTN names).

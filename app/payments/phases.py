@@ -37,6 +37,7 @@ from app.idempotency import store as keys
 from app.idempotency.keys import derived_key, end_to_end_reference
 from app.idempotency.store import Lease, LeaseLost
 from app.ledger import postings
+from app.outbox import events
 from app.payments import sql
 from app.payments import store as payments
 from app.payments.models import Payment, PaymentRequest, PaymentView, fee_for
@@ -267,9 +268,10 @@ async def release(
 async def park(conn: AsyncConnection, op: Operation, reason: str, recheck_in: float, *, not_sent: bool = False) -> Payment:
     """Stop retrying: the outcome stayed unknown through every attempt allowed.
 
-    Durable after commit: the payment is `indeterminate` and the key row is
+    Durable after commit: the payment is `indeterminate`, the key row is
     parked at its SENT point with no owner, due for a re-probe in
-    `recheck_in` seconds. Nobody resumes it blindly from here: the worker's
+    `recheck_in` seconds, and the `payment.indeterminate` event (with its
+    webhook delivery) is written. Nobody resumes it blindly from here: the worker's
     re-probe (where the external system answers probes) or reconciliation
     against the rail's statements takes it back once it has learned something.
     Crash before commit: nothing changed; once the lease runs out the next
@@ -277,7 +279,12 @@ async def park(conn: AsyncConnection, op: Operation, reason: str, recheck_in: fl
     still unknown.
     """
     await keys.park(conn, op.lease, reason, recheck_in, event="parked", not_sent=not_sent)
-    return await payments.update(conn, "indeterminate", op.payment.id)
+    payment = await payments.update(conn, "indeterminate", op.payment.id)
+    await events.emit(
+        conn, client_id=payment.client_id, payment_id=payment.id,
+        event_type=events.INDETERMINATE, data=PaymentView.of(payment).body(),
+    )
+    return payment
 
 
 async def unpark(conn: AsyncConnection, client_id: int, key: str, lease_seconds: float, *, event: str) -> Operation | None:
@@ -326,10 +333,13 @@ async def settle_parked(
 async def _finish(conn: AsyncConnection, op: Operation, statement, final: Payment, *, event: str, **values: Any) -> Operation:
     # The response is built from the payment as it will be after this commit
     # (`final`), and stored by the same statement that makes it so.
+    # The event a client must hear about carries the same text, written by
+    # the same statement (app/outbox/events.py).
     body = stored_body(final)
     payment = await _fenced(
         conn, statement, op,
-        recovery_point=FINISHED, response_code=FINAL_STATUS_CODE, response_body=body, event=event, **values,
+        recovery_point=FINISHED, response_code=FINAL_STATUS_CODE, response_body=body, event=event,
+        event_type=events.type_for(final.status), **values,
     )
     return replace(op, recovery_point=FINISHED, payment=payment, response=(FINAL_STATUS_CODE, body))
 

@@ -11,6 +11,9 @@ of data-modifying CTEs:
               -- joins the fence, so it changes nothing without it
     posted    INSERT the ledger legs ... SELECT ... FROM updated
               -- likewise
+    emitted   INSERT the event a client must hear about ... FROM fence
+    queued    INSERT its webhook delivery ... FROM emitted
+              -- only in the phases that finish a payment; likewise
     SELECT * FROM updated           -- the payment as the phase left it
 
 Every business write reads from the fence, so a stale owner's statement
@@ -129,6 +132,15 @@ CHARGE_DECLINED = text(
           FROM fence
          WHERE payment.id = fence.payment_id
         RETURNING payment.*
+    ), emitted AS (
+        INSERT INTO event (client_id, payment_id, type, data)
+        SELECT :client_id, fence.payment_id, CAST(:event_type AS text), CAST(:response_body AS json)
+          FROM fence
+        RETURNING id, client_id
+    ), queued AS (
+        INSERT INTO webhook_delivery (event_id, client_id)
+        SELECT emitted.id, emitted.client_id
+          FROM emitted JOIN webhook_endpoint ON webhook_endpoint.client_id = emitted.client_id
     )
     SELECT * FROM updated
     """
@@ -166,6 +178,15 @@ PAYOUT_SENT = text(
           FROM updated,
                unnest(CAST(:accounts AS text[]), CAST(:debits AS bigint[]), CAST(:credits AS bigint[]))
                  AS leg(account, debit, credit)
+    ), emitted AS (
+        INSERT INTO event (client_id, payment_id, type, data)
+        SELECT :client_id, fence.payment_id, CAST(:event_type AS text), CAST(:response_body AS json)
+          FROM fence
+        RETURNING id, client_id
+    ), queued AS (
+        INSERT INTO webhook_delivery (event_id, client_id)
+        SELECT emitted.id, emitted.client_id
+          FROM emitted JOIN webhook_endpoint ON webhook_endpoint.client_id = emitted.client_id
     )
     SELECT * FROM updated
     """
@@ -231,10 +252,24 @@ CHARGE_REFUNDED = text(
           FROM updated,
                unnest(CAST(:accounts AS text[]), CAST(:debits AS bigint[]), CAST(:credits AS bigint[]))
                  AS leg(account, debit, credit)
+    ), emitted AS (
+        INSERT INTO event (client_id, payment_id, type, data)
+        SELECT :client_id, fence.payment_id, CAST(:event_type AS text), CAST(:response_body AS json)
+          FROM fence
+        RETURNING id, client_id
+    ), queued AS (
+        INSERT INTO webhook_delivery (event_id, client_id)
+        SELECT emitted.id, emitted.client_id
+          FROM emitted JOIN webhook_endpoint ON webhook_endpoint.client_id = emitted.client_id
     )
     SELECT * FROM updated
     """
 )
+
+# The statements that finish a payment also write its event (and its
+# webhook delivery), as the two CTEs of app/outbox/events.py::EMIT_SQL,
+# word for word (tests/unit/test_phase_sql.py).
+EMITS = ("CHARGE_DECLINED", "PAYOUT_SENT", "CHARGE_REFUNDED")
 
 # Which fence each statement must carry, word for word (tests/unit/test_phase_sql.py).
 FENCES = {

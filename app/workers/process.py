@@ -1,16 +1,19 @@
 """`payments worker`: the process that runs the background jobs beside the API.
 
-Three loops share one set of services: the recovery sweep (every second or
+Four loops share one set of services: the recovery sweep (every second or
 so), the reconciliation schedule (which, every `reconcile_every_seconds`,
-tries to claim each closed day of the booking horizon up to yesterday) and
-the key table's upkeep (which, every `key_reap_every_seconds`, tries to claim
-today's: partitions created ahead, those past retention dropped); the durable
-tick makes each once per window across all workers. SIGTERM or SIGINT stops
-them; in-flight work releases its leases.
+tries to claim each closed day of the booking horizon up to yesterday), the
+key table's upkeep (which, every `key_reap_every_seconds`, tries to claim
+today's: partitions created ahead, those past retention dropped) and the
+webhook dispatcher (app/workers/webhooks.py); the durable tick makes the two
+schedules once per window across all workers. SIGTERM or SIGINT stops all
+four; in-flight payments release their leases, in-flight webhooks let theirs
+run out (and are sent again).
 
 Nothing else stops them: a database that is down (at start-up too: the pools
 connect on first use) or restarting makes each loop log one line and back off,
-never exit (app/workers/recovery.py::recovery_loop, reconciliation.py::reconcile_loop).
+never exit (app/workers/recovery.py::recovery_loop, reconciliation.py::reconcile_loop,
+webhooks.py::dispatch_loop).
 """
 
 from __future__ import annotations
@@ -24,15 +27,19 @@ from app.services import open_services
 from app.workers.reconciliation import reconcile_loop
 from app.workers.recovery import recovery_loop
 from app.workers.retention import retention_loop
+from app.workers.webhooks import dispatch_loop
 
 log = logging.getLogger(__name__)
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
     async with open_services(settings) as services:
-        log.info("worker started: recovery sweep, reconciliation schedule, key partition upkeep")
+        log.info("worker started: recovery sweep, reconciliation schedule, key partition upkeep, webhook dispatcher")
         await asyncio.gather(
-            recovery_loop(services, stop), reconcile_loop(services, stop), retention_loop(services, stop)
+            recovery_loop(services, stop),
+            reconcile_loop(services, stop),
+            retention_loop(services, stop),
+            dispatch_loop(services, stop),
         )
         log.info("worker stopped")
 

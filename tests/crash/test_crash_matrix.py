@@ -22,7 +22,7 @@ import pytest
 
 from app.payments.crash_points import POINTS
 from tests.support import (
-    charges, headers, key_row, ledger, payment_body, payments_for, refunds, requests_at, transfers,
+    charges, event_types, headers, key_row, ledger, payment_body, payments_for, refunds, requests_at, transfers,
     unbalanced_payments, until,
 )
 
@@ -45,8 +45,9 @@ FAST_WORKER = {"WORKER_MIN_AGE_SECONDS": "0", "WORKER_POLL_SECONDS": "0.1", "LEA
 
 
 async def test_every_crash_point_on_the_payment_path_is_covered_by_this_matrix():
-    # (The reconciliation job's own crash point is exercised in tests/reconciliation.)
-    assert set(LEAVES) == {point for point in POINTS if not point.startswith("reconcile")}
+    # (The reconciliation job's own crash point is exercised in tests/reconciliation,
+    # the webhook dispatcher's in tests/crash/test_webhook_delivery.py.)
+    assert set(LEAVES) == {point for point in POINTS if not point.startswith(("reconcile", "webhook"))}
 
 
 async def lease_expired(db, client_id: int, key: str) -> None:
@@ -80,6 +81,7 @@ async def assert_exactly_once(http, stack, db, acme, key, body, *, rejected: boo
     assert payment["status"] == ("failed" if rejected else "succeeded")
     assert len(await ledger(db, payment["id"])) == (6 if rejected else 5)
     assert await unbalanced_payments(db) == []
+    assert await event_types(db, payment["id"]) == [f"payment.{payment['status']}"], "one decision, one event"
     row = await key_row(db, acme.id, key)
     assert row["state"] == "finished" and row["response_code"] == 201
     replay = await http.post(f"{stack.api}/v1/payments", json=body, headers=headers(acme, key))
@@ -229,6 +231,7 @@ async def test_a_stalled_owner_cannot_commit_after_its_operation_was_taken_over(
     [payment] = await payments_for(db, body["reference"])
     assert payment["status"] == "processing"
     assert [entry[0] for entry in await ledger(db, payment["id"])] == ["charge_captured"] * 3, "no payout_sent"
+    assert await event_types(db, payment["id"]) == [], "no event from the stale owner's refused statement"
 
     retry = await retry
     assert retry.status_code == 201, retry.text

@@ -160,7 +160,7 @@ async def test_0006_partitions_the_key_table_keeping_every_row_and_answer_in_pla
     finally:
         await conn.close()
 
-    await migrate(scratch, "head")
+    await migrate(scratch, "0006")
 
     conn = await asyncpg.connect(scratch)
     try:
@@ -195,5 +195,56 @@ async def test_0006_partitions_the_key_table_keeping_every_row_and_answer_in_pla
             "SELECT claim_idempotency_key($1, 'key-new', 'POST /v1/payments', 'x', 'EXT1_SENT', NULL, 30)", client
         ) is not None
         assert await conn.fetchval("SELECT count(*) FROM idempotency_key") == 4
+    finally:
+        await conn.close()
+
+
+def revision_before(revision: str) -> str:
+    """The revision `revision` upgrades from, as its file says (so the test follows a re-pointed migration)."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(Config(str(ROOT / "alembic.ini")))
+    down = script.get_revision(revision).down_revision
+    assert isinstance(down, str), "one previous revision"
+    return down
+
+
+async def test_0007_keeps_every_payment_and_key_row_and_gives_old_payments_room_for_events(scratch):
+    previous = revision_before("0007")
+    await migrate(scratch, previous)
+    conn = await asyncpg.connect(scratch)
+    try:
+        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
+        payment_id = uuid.uuid4()
+        await insert_payment(conn, payment_id, client, "order-1", "succeeded")
+        await conn.execute(
+            "INSERT INTO idempotency_key (client_id, key, endpoint, request_hash, state, recovery_point, "
+            "payment_id, response_code, response_body) "
+            "VALUES ($1, 'k', 'POST /v1/payments', 'x', 'finished', 'finished', $2, 201, '{}')",
+            client, payment_id,
+        )
+        before = {t: await conn.fetch(f"SELECT * FROM {t}") for t in ("client", "payment", "idempotency_key")}
+    finally:
+        await conn.close()
+
+    await migrate(scratch, "0007")
+
+    conn = await asyncpg.connect(scratch)
+    try:
+        for table, rows in before.items():
+            assert [dict(r) for r in await conn.fetch(f"SELECT * FROM {table}")] == [dict(r) for r in rows], table
+        for table in ("event", "webhook_endpoint", "webhook_delivery", "webhook_attempt"):
+            assert await conn.fetchval(f"SELECT count(*) FROM {table}") == 0, "nothing invented for the past"
+        # A payment from before the upgrade can have events from now on.
+        event_id = await conn.fetchval(
+            "INSERT INTO event (client_id, payment_id, type, data) VALUES ($1, $2, 'payment.returned', '{}') RETURNING id",
+            client, payment_id,
+        )
+        assert event_id.version == 7
+        with pytest.raises(asyncpg.CheckViolationError):
+            await conn.execute(
+                "INSERT INTO event (client_id, payment_id, type, data) VALUES ($1, $2, 'not a type', '{}')",
+                client, payment_id,
+            )
     finally:
         await conn.close()

@@ -18,7 +18,8 @@ import pytest
 
 from tests.conftest import LEGACY_IBAN
 from tests.support import (
-    charges, headers, key_row, ledger, payment_body, payments_for, refunds, transfers, unbalanced_payments, until,
+    charges, event_types, headers, key_row, ledger, payment_body, payments_for, refunds, transfers,
+    unbalanced_payments, until,
 )
 
 BOOKING_DAYS = 3  # the default RECONCILE_BOOKING_DAYS: absent means absent from all of these
@@ -60,6 +61,8 @@ async def assert_settled(http, stack, db, acme, key, body, *, status: str) -> No
     assert len(await refunds(db, reference)) == (1 if status == "failed" else 0)
     assert len(await ledger(db, payment["id"])) == (6 if status == "failed" else 5)
     assert await unbalanced_payments(db) == []
+    # Parked (the client heard "indeterminate"), then settled: one event each.
+    assert await event_types(db, payment["id"]) == ["payment.indeterminate", f"payment.{status}"]
     row = await key_row(db, acme.id, key)
     assert row["state"] == "finished" and json.loads(row["response_body"])["status"] == status
     replay = await http.post(f"{stack.api}/v1/payments", json=body, headers=headers(acme, key))

@@ -1,7 +1,7 @@
 """Dependencies point one way, no module cycle hides anywhere, and the service imports no dev tooling: checked on every `make test`.
 
 The contracts live in pyproject.toml ([tool.importlinter]): api -> payments ->
-(idempotency, ledger, rails, db), workers beside api, nothing importing back
+(idempotency, ledger, rails, outbox, db), workers beside api, nothing importing back
 up a layer, and no two sibling modules importing each other. A learner can
 then read the service from the top down, and a lower layer can be tested
 without the ones above it. This runs import-linter's own command, exactly as

@@ -14,6 +14,7 @@ import re
 import pytest
 
 from app.idempotency import store
+from app.outbox import events
 from app.payments import sql
 
 
@@ -49,10 +50,26 @@ def test_every_business_write_hangs_off_the_fence(name):
 
 
 def test_the_ledger_legs_are_written_the_same_way_by_every_posting_phase():
-    posted = {words(getattr(sql, n).text).split("posted AS ")[1] for n in sql.FENCES if "posted AS" in getattr(sql, n).text}
+    posted = {
+        re.split(r"\), emitted AS |\) SELECT \* FROM updated", words(getattr(sql, n).text).split("posted AS ")[1])[0]
+        for n in sql.FENCES if "posted AS" in getattr(sql, n).text
+    }
     assert len(posted) == 1
 
 
 def test_every_hot_path_statement_is_listed_with_its_fence():
     statements = {name for name, value in vars(sql).items() if hasattr(value, "text") and name.isupper()}
     assert statements == set(sql.FENCES)
+
+
+@pytest.mark.parametrize("name", sql.EMITS)
+def test_each_finishing_statement_writes_its_event_from_the_fence_word_for_word(name):
+    text = words(getattr(sql, name).text)
+    emitted = text[text.index("emitted AS ("):text.rindex(" SELECT * FROM updated")]
+    assert emitted == words(events.EMIT_SQL)
+    assert "FROM fence RETURNING id, client_id" in emitted, "no fence row, no event"
+
+
+def test_only_the_finishing_statements_write_events():
+    writing = {name for name in sql.FENCES if "INSERT INTO event" in getattr(sql, name).text}
+    assert writing == set(sql.EMITS)

@@ -1,0 +1,330 @@
+"""Webhook delivery: claim, POST signed, record. At least once, so the receiver deduplicates.
+
+Where it sits: the dispatcher in `payments worker` (app/workers/webhooks.py)
+runs these three steps for each due delivery, and nothing else does:
+
+    claim    one statement: lock due pending deliveries (FOR UPDATE SKIP
+             LOCKED, so two dispatchers never take the same row), give each
+             a lease (a token and an expiry), count the attempt and log it
+             as started. Committed before anything is sent.
+    post     sign with the `standardwebhooks` library (webhook-id = the event
+             id, the receiver's idempotency key; webhook-timestamp;
+             webhook-signature) and POST, with no transaction and no pooled
+             connection held.
+    record   one statement, fenced by the lease token: the delivery's new
+             state and the attempt's outcome (status, latency, error class).
+             A dispatcher whose lease ran out (it stalled, and the delivery was
+             claimed again) records nothing.
+
+What can go wrong, and what it costs: a dispatcher that dies after the POST
+and before the record leaves the delivery leased; once the lease runs out it
+is claimed again and POSTed again, with the same webhook-id: the receiver
+has seen it and drops it. So every event is delivered at least once, and
+applied once by a receiver with an inbox. Never two at the same time: the
+lease outlasts the POST's timeout (app/config.py).
+
+The decision (`decide`): a 2xx is delivered. Anything else (a timeout, a
+refused or broken connection, any other status, 4xx included: a receiver
+that answers 401 or 404 is usually misconfigured for a while, which a
+person fixes) is retried after base * 2^(n-1) seconds, capped, with
+jitter; a 429 or 503 with Retry-After waits at least that long (within the
+cap). Redirects are not followed (a moved endpoint is registered again).
+After `webhook_max_attempts` attempts the delivery is `dead`: nothing
+retries it until a person runs `payments events redeliver ID`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+import httpx
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+from standardwebhooks import Webhook
+
+USER_AGENT = "exactly-once-payments-webhooks/0.1"
+
+# Outcomes of an attempt, and the delivery state each leaves.
+DELIVERED, RETRY, DEAD, CANCELLED = "delivered", "retry", "dead", "cancelled"
+_STATE = {DELIVERED: "delivered", RETRY: "pending", DEAD: "dead", CANCELLED: "cancelled"}
+
+
+class LeaseLost(Exception):
+    """Another dispatcher claimed this delivery after our lease ran out: we record nothing."""
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A delivery this dispatcher holds the lease on, with what it needs to POST it."""
+
+    event_id: uuid.UUID
+    client_id: int
+    attempt: int  # counting every claim since the delivery was created
+    due_attempt: int  # counting since the schedule (re)started: what the give-up compares
+    lease_token: uuid.UUID
+    url: str | None  # None: the client has no endpoint any more
+    secret: str | None
+    type: str
+    data: dict[str, Any]
+    created_at: datetime
+
+    def body(self) -> str:
+        """The webhook's body, the Standard Webhooks envelope; the same text on every attempt."""
+        return json.dumps(
+            {"type": self.type, "timestamp": self.created_at.isoformat().replace("+00:00", "Z"), "data": self.data},
+            separators=(",", ":"),
+        )
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What one POST came to."""
+
+    status_code: int | None  # None: no HTTP answer
+    latency_ms: float
+    error_class: str | None  # None: delivered (2xx)
+    error: str | None = None
+    retry_after: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    outcome: str
+    retry_in: float = 0.0
+
+
+_CLAIM = text(
+    """
+    WITH due AS (
+        SELECT event_id
+          FROM webhook_delivery
+         WHERE state = 'pending' AND next_attempt_at <= now()
+         ORDER BY next_attempt_at
+         LIMIT :limit
+           FOR UPDATE SKIP LOCKED
+    ), claimed AS (
+        UPDATE webhook_delivery d
+           SET lease_token = gen_random_uuid(),
+               lease_expires_at = now() + make_interval(secs => :lease_seconds),
+               -- Not due again until the lease runs out: then it is claimed
+               -- again, as if this dispatcher had died (it may have).
+               next_attempt_at = now() + make_interval(secs => :lease_seconds),
+               attempts = d.attempts + 1,
+               updated_at = now()
+          FROM due
+         WHERE d.event_id = due.event_id
+        RETURNING d.event_id, d.client_id, d.attempts, d.attempts - d.schedule_from AS due_attempt, d.lease_token
+    ), target AS (
+        SELECT claimed.*, w.url, w.secret
+          FROM claimed LEFT JOIN webhook_endpoint w ON w.client_id = claimed.client_id
+    ), started AS (
+        INSERT INTO webhook_attempt (event_id, attempt, url)
+        SELECT event_id, attempts, url FROM target
+    )
+    SELECT target.event_id, target.client_id, target.attempts AS attempt, target.due_attempt,
+           target.lease_token, target.url, target.secret, e.type, e.data, e.created_at
+      FROM target JOIN event e ON e.id = target.event_id
+    """
+)
+
+_RECORD = text(
+    """
+    WITH fence AS (
+        UPDATE webhook_delivery
+           SET state = :state,
+               lease_token = NULL,
+               lease_expires_at = NULL,
+               next_attempt_at = now() + make_interval(secs => :retry_in),
+               last_status = :status_code,
+               last_error = :error,
+               delivered_at = CASE WHEN CAST(:state AS text) = 'delivered' THEN now() END,
+               updated_at = now()
+         WHERE event_id = :event_id AND lease_token = :token AND state = 'pending'
+        RETURNING event_id, attempts
+    )
+    UPDATE webhook_attempt a
+       SET finished_at = now(), outcome = :outcome, status_code = :status_code, latency_ms = :latency_ms,
+           error_class = :error_class, error = :error
+      FROM fence
+     WHERE a.event_id = fence.event_id AND a.attempt = fence.attempts
+    RETURNING a.event_id
+    """
+)
+
+# A person asks for another round: a dead (or delivered, or cancelled)
+# delivery is pending again, due now, with a fresh schedule. An event
+# written before its client had an endpoint gets its first delivery.
+_REDELIVER = text(
+    """
+    INSERT INTO webhook_delivery (event_id, client_id)
+    SELECT e.id, e.client_id
+      FROM event e JOIN webhook_endpoint w ON w.client_id = e.client_id
+     WHERE e.id = :event_id
+    ON CONFLICT (event_id) DO UPDATE
+       SET state = 'pending', next_attempt_at = now(), schedule_from = webhook_delivery.attempts,
+           delivered_at = NULL, last_error = NULL, updated_at = now()
+     WHERE webhook_delivery.state <> 'pending'
+    RETURNING event_id
+    """
+)
+_DELIVERY = text(
+    """
+    SELECT d.*, e.type, e.payment_id, w.url AS endpoint_url
+      FROM event e
+      LEFT JOIN webhook_delivery d ON d.event_id = e.id
+      LEFT JOIN webhook_endpoint w ON w.client_id = e.client_id
+     WHERE e.id = :event_id
+    """
+)
+_LIST = text(
+    """
+    SELECT d.event_id, d.client_id, c.name AS client, e.type, d.state, d.attempts, d.last_status,
+           d.last_error, d.next_attempt_at, d.updated_at
+      FROM webhook_delivery d JOIN event e ON e.id = d.event_id JOIN client c ON c.id = d.client_id
+     WHERE CAST(:state AS text) IS NULL OR d.state = :state
+     ORDER BY d.event_id DESC
+     LIMIT :limit
+    """
+)
+_ATTEMPTS = text(
+    "SELECT * FROM webhook_attempt WHERE event_id = :event_id ORDER BY attempt"
+)
+_BACKLOG = text("SELECT count(*) FROM webhook_delivery WHERE state = 'pending'")
+
+
+async def claim(conn: AsyncConnection, *, limit: int, lease_seconds: float) -> list[Claimed]:
+    """Lease up to `limit` due deliveries (none that another dispatcher holds)."""
+    rows = await conn.execute(_CLAIM, dict(limit=limit, lease_seconds=lease_seconds))
+    return [Claimed(**row) for row in rows.mappings()]
+
+
+async def record(conn: AsyncConnection, claimed: Claimed, answer: Answer, decision: Decision) -> None:
+    """The attempt's outcome and the delivery's next state, or LeaseLost (nothing written)."""
+    row = (
+        await conn.execute(
+            _RECORD,
+            dict(
+                event_id=claimed.event_id, token=claimed.lease_token, state=_STATE[decision.outcome],
+                outcome=decision.outcome, retry_in=decision.retry_in, status_code=answer.status_code,
+                latency_ms=answer.latency_ms, error_class=answer.error_class, error=answer.error,
+            ),
+        )
+    ).one_or_none()
+    if row is None:
+        raise LeaseLost(f"delivery of event {claimed.event_id} was claimed again; this attempt is not recorded")
+
+
+async def redeliver(conn: AsyncConnection, event_id: uuid.UUID) -> bool:
+    """Make the event's delivery pending and due now; False if it is pending already or cannot be delivered."""
+    return (await conn.execute(_REDELIVER, dict(event_id=event_id))).one_or_none() is not None
+
+
+async def delivery(conn: AsyncConnection, event_id: uuid.UUID) -> dict[str, Any] | None:
+    """The event's delivery row (its columns None if it has none), its type and the endpoint's URL; None: no such event."""
+    row = (await conn.execute(_DELIVERY, dict(event_id=event_id))).mappings().one_or_none()
+    return None if row is None else dict(row)
+
+
+async def attempts(conn: AsyncConnection, event_id: uuid.UUID) -> list[dict[str, Any]]:
+    return [dict(r) for r in (await conn.execute(_ATTEMPTS, dict(event_id=event_id))).mappings()]
+
+
+async def deliveries(conn: AsyncConnection, state: str | None, limit: int) -> list[dict[str, Any]]:
+    """The newest deliveries, of one state or all."""
+    return [dict(r) for r in (await conn.execute(_LIST, dict(state=state, limit=limit))).mappings()]
+
+
+async def backlog(conn: AsyncConnection) -> int:
+    """Deliveries not yet delivered or given up (pending)."""
+    return (await conn.execute(_BACKLOG)).scalar_one()
+
+
+def signed_headers(claimed: Claimed, body: str, now: datetime) -> dict[str, str]:
+    """The Standard Webhooks headers for this attempt, signed by the library, never by hand."""
+    assert claimed.secret is not None
+    signature = Webhook(claimed.secret).sign(str(claimed.event_id), now, body)
+    return {
+        "webhook-id": str(claimed.event_id),
+        "webhook-timestamp": str(int(now.timestamp())),
+        "webhook-signature": signature,
+        "content-type": "application/json",
+        "user-agent": USER_AGENT,
+    }
+
+
+async def post(http: httpx.AsyncClient, claimed: Claimed, timeout: float) -> Answer:
+    """POST the event to the endpoint; what came of it. Never raises for a failed exchange."""
+    assert claimed.url is not None
+    body = claimed.body()
+    headers = signed_headers(claimed, body, datetime.now(UTC))
+    started = time.perf_counter()
+    try:
+        # Streamed and not read: only the status matters, and a receiver
+        # that sends a huge (or endless) body must not make us read it.
+        async with http.stream("POST", claimed.url, content=body.encode(), headers=headers, timeout=timeout) as response:
+            status = response.status_code
+            retry_after = _retry_after(response.headers.get("retry-after"))
+    except httpx.TimeoutException as exc:
+        return Answer(None, _since(started), "timeout", _describe(exc))
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        # Refused, reset, not HTTP, an invalid URL: no answer to go by.
+        return Answer(None, _since(started), "connection", _describe(exc))
+    latency = _since(started)
+    if 200 <= status < 300:
+        return Answer(status, latency, None)
+    error_class = "rate_limited" if status == 429 else "http_status"
+    return Answer(status, latency, error_class, f"HTTP {status}", retry_after)
+
+
+def decide(answer: Answer | None, due_attempt: int, *, max_attempts: int, base: float, cap: float) -> Decision:
+    """What becomes of the delivery after attempt `due_attempt` of its schedule. `answer` None: no endpoint."""
+    if answer is None:
+        return Decision(CANCELLED)
+    if answer.error_class is None:
+        return Decision(DELIVERED)
+    if due_attempt >= max_attempts:
+        return Decision(DEAD)
+    wait = backoff_seconds(due_attempt, base, cap)
+    if answer.retry_after is not None and answer.status_code in (429, 503):
+        wait = min(max(wait, answer.retry_after), cap)
+    return Decision(RETRY, wait)
+
+
+def backoff_seconds(attempt: int, base: float, cap: float) -> float:
+    """About base * 2^(attempt-1), capped; the jitter (a random half) spreads out a burst of failures."""
+    ceiling = min(cap, base * 2 ** (attempt - 1))
+    return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+def schedule(max_attempts: int, base: float, cap: float) -> list[float]:
+    """The longest wait after each failed attempt before the last (jitter makes each 50-100% of it)."""
+    return [min(cap, base * 2 ** (n - 1)) for n in range(1, max_attempts)]
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds, from delay-seconds or an HTTP date; None if absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, (parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds())
+    except (TypeError, ValueError):
+        return None
+
+
+def _since(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 3)
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"[:300]

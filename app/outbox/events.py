@@ -1,0 +1,136 @@
+"""Events: the decisions a client must hear about, as rows written with the decision.
+
+An event is written by the statement (or transaction) that makes its
+decision, never after it: so a crash can never leave a decision without its
+event, or an event without its decision. On the hot path the write is two
+more CTEs of the phase's own statement (EMIT_SQL, copied into
+app/payments/sql.py and checked word for word by tests/unit/test_phase_sql.py),
+reading from the fence: a stale owner's statement writes no event either.
+Parking, which is a short transaction of its own, calls `emit`.
+
+    type                    written by                       the payment is
+    payment.succeeded       phases.record_transfer (accepted) succeeded
+    payment.declined        phases.record_charge (declined)   declined
+    payment.failed          phases.record_refund              failed (refunded)
+    payment.indeterminate   phases.park                       indeterminate
+
+A payout settled by reconciliation goes through the same phases
+(phases.settle_parked), so it emits `payment.succeeded`, or, once its refund
+is recorded, `payment.failed`. `data` is the payment as `GET
+/v1/payments/{id}` shows it at that moment (a finished payment's is its
+stored response, the same text). Ids are UUIDv7 made by the database when
+the row is inserted (migration 0007's `time_ordered_uuid()`), so they sort
+by time.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+SUCCEEDED = "payment.succeeded"
+DECLINED = "payment.declined"
+FAILED = "payment.failed"
+INDETERMINATE = "payment.indeterminate"
+# Stable names: a client's code switches on them. (The schema checks only
+# their shape, so a new type, such as a returned payout's, needs no migration.)
+TYPES = (SUCCEEDED, DECLINED, FAILED, INDETERMINATE)
+_OF_STATUS = {"succeeded": SUCCEEDED, "declined": DECLINED, "failed": FAILED, "indeterminate": INDETERMINATE}
+
+
+def type_for(status: str) -> str:
+    """The event a payment reaching `status` emits (KeyError for a status that emits none)."""
+    return _OF_STATUS[status]
+
+
+# The canonical text of the two CTEs a phase's statement ends with: the event,
+# and its delivery if the client has a webhook endpoint. `fence` is the
+# phase's first CTE: no fence row (a stale owner), no event. The payload is
+# the stored response the same statement writes (:response_body).
+EMIT_SQL = """
+    emitted AS (
+        INSERT INTO event (client_id, payment_id, type, data)
+        SELECT :client_id, fence.payment_id, CAST(:event_type AS text), CAST(:response_body AS json)
+          FROM fence
+        RETURNING id, client_id
+    ), queued AS (
+        INSERT INTO webhook_delivery (event_id, client_id)
+        SELECT emitted.id, emitted.client_id
+          FROM emitted JOIN webhook_endpoint ON webhook_endpoint.client_id = emitted.client_id
+    )
+"""
+
+_EMIT = text(
+    """
+    WITH emitted AS (
+        INSERT INTO event (client_id, payment_id, type, data)
+        VALUES (:client_id, :payment_id, :event_type, CAST(:data AS json))
+        RETURNING id, client_id
+    ), queued AS (
+        INSERT INTO webhook_delivery (event_id, client_id)
+        SELECT emitted.id, emitted.client_id
+          FROM emitted JOIN webhook_endpoint ON webhook_endpoint.client_id = emitted.client_id
+    )
+    SELECT id FROM emitted
+    """
+)
+
+# How far behind the present the feed stays. An event's id is taken from
+# the clock when its row is inserted, and the row becomes visible when its
+# transaction commits a moment later. Without a margin, a reader could see a
+# later event first, move its cursor past it, and never see the earlier one
+# once that commits. One second is far longer than the gap between the
+# insert and the commit of one statement.
+FEED_HORIZON_SECONDS = 1.0
+MAX_PAGE = 100
+
+# The horizon as the smallest UUIDv7 of its millisecond: every id below it
+# was made more than FEED_HORIZON_SECONDS ago, by the database's clock.
+_FEED = text(
+    """
+    SELECT id, type, payment_id, data, created_at
+      FROM event
+     WHERE client_id = :client_id
+       AND id > :after
+       AND id < encode(substring(int8send(floor(extract(epoch FROM clock_timestamp()
+                                                         - make_interval(secs => :horizon)) * 1000)::bigint)
+                                 FROM 3) || decode(repeat('00', 10), 'hex'), 'hex')::uuid
+     ORDER BY id
+     LIMIT :limit
+    """
+)
+
+NO_CURSOR = uuid.UUID(int=0)
+
+
+@dataclass(frozen=True)
+class Event:
+    id: uuid.UUID
+    type: str
+    payment_id: uuid.UUID
+    data: dict[str, Any]
+    created_at: datetime
+
+
+async def emit(conn: AsyncConnection, *, client_id: int, payment_id: uuid.UUID, event_type: str, data: str) -> uuid.UUID:
+    """Write one event (and its delivery) in the caller's transaction; its id."""
+    assert event_type in TYPES, event_type
+    return (
+        await conn.execute(
+            _EMIT, dict(client_id=client_id, payment_id=payment_id, event_type=event_type, data=data)
+        )
+    ).scalar_one()
+
+
+async def feed(conn: AsyncConnection, client_id: int, after: uuid.UUID | None, limit: int) -> list[Event]:
+    """The client's events after `after`, oldest first, at most `limit`, none younger than the horizon."""
+    rows = await conn.execute(
+        _FEED,
+        dict(client_id=client_id, after=after or NO_CURSOR, limit=limit, horizon=FEED_HORIZON_SECONDS),
+    )
+    return [Event(**row) for row in rows.mappings()]

@@ -1,0 +1,124 @@
+"""The webhook dispatcher, inside `payments worker`: claim due deliveries, POST each, record it.
+
+Where it sits: after the commit. A phase wrote the event and its delivery
+with the decision (app/outbox/events.py); this loop is the only thing that
+sends them. One delivery goes through three steps (app/outbox/delivery.py):
+
+    claim   (one statement, committed)   leased, attempt counted and logged
+    POST    (no transaction, no pooled connection held)
+    record  (one statement, fenced by the lease)
+
+Several workers may run this loop at once: the claim's FOR UPDATE SKIP
+LOCKED gives each due delivery to one of them, and the lease keeps it theirs
+until it is recorded or the lease runs out (longer than a POST may take), so
+one event is never being delivered by two at the same time.
+
+Up to `webhook_concurrency` deliveries are in flight at once, each in a task
+of its own, so one slow merchant does not hold up the others. Bounded
+everywhere: a failed attempt is retried on the schedule, never at once; a
+claim that fails (the database is away) backs off like the other worker
+loops (app/workers/__init__.py::outage_backoff); and a delivery whose
+record cannot be written simply stays leased until its lease runs out, then
+is sent again, which the receiver's inbox absorbs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from app.db.errors import database_unavailable, describe, loggable
+from app.db.transaction import one_statement
+from app.outbox import delivery
+from app.outbox.delivery import Claimed, LeaseLost
+from app.payments import crash_points
+from app.rails.transport import http_client
+from app.services import Services
+from app.workers import outage_backoff, pause
+
+log = logging.getLogger(__name__)
+
+
+async def deliver(services: Services, http: httpx.AsyncClient, claimed: Claimed) -> str:
+    """POST one claimed delivery and record what came of it; the outcome."""
+    settings = services.settings
+    if claimed.url is None:
+        answer = None  # the endpoint was removed after the event was written
+    else:
+        answer = await delivery.post(http, claimed, settings.webhook_timeout_seconds)
+        crash_points.reached(settings.payments_crash_at, "webhook-after-delivery")
+    decision = delivery.decide(
+        answer, claimed.due_attempt, max_attempts=settings.webhook_max_attempts,
+        base=settings.webhook_backoff_base_seconds, cap=settings.webhook_backoff_cap_seconds,
+    )
+    no_answer = delivery.Answer(None, 0.0, "no_endpoint", "the client has no webhook endpoint")
+    await one_statement(services.engine, delivery.record, claimed, answer or no_answer, decision)
+    if decision.outcome == delivery.DEAD:
+        log.warning("webhook %s to client %s is dead after %s attempts (%s); `payments events redeliver %s`",
+                    claimed.event_id, claimed.client_id, claimed.attempt, answer and answer.error, claimed.event_id)
+    return decision.outcome
+
+
+async def _deliver_logged(services: Services, http: httpx.AsyncClient, claimed: Claimed) -> None:
+    try:
+        await deliver(services, http, claimed)
+    except LeaseLost as exc:
+        log.warning("%s", exc)
+    except Exception as exc:
+        # The POST is over; only the record failed. The lease runs out and
+        # the delivery is sent again: at least once, never lost.
+        if database_unavailable(exc):
+            log.warning("webhook %s: the attempt could not be recorded, the database is unavailable (%s); "
+                        "it will be sent again", claimed.event_id, describe(exc))
+        else:
+            log.error("webhook %s: the attempt could not be recorded; it will be sent again\n%s",
+                      claimed.event_id, loggable(exc))
+
+
+async def dispatch_loop(services: Services, stop: asyncio.Event) -> None:
+    """Deliver until `stop` is set; deliveries in flight are then cancelled (their leases run out)."""
+    settings = services.settings
+    running: set[asyncio.Task] = set()
+    failures = 0  # claims failed in a row
+    async with http_client(max_connections=settings.webhook_concurrency * 2) as http:
+        try:
+            while not stop.is_set():
+                free = settings.webhook_concurrency - len(running)
+                claimed: list[Claimed] = []
+                if free > 0:
+                    try:
+                        claimed = await one_statement(
+                            services.engine, delivery.claim, limit=free, lease_seconds=settings.webhook_lease_seconds
+                        )
+                    except Exception as exc:
+                        failures += 1
+                        wait = outage_backoff(failures, settings.worker_poll_seconds)
+                        if database_unavailable(exc):
+                            log.warning("webhook claim failed, the database is unavailable (%s); next try in %.1f s",
+                                        describe(exc), wait)
+                        else:
+                            log.error("webhook claim failed; next try in %.1f s\n%s", wait, loggable(exc))
+                        await pause(stop, wait)
+                        continue
+                    failures = 0
+                    if claimed:
+                        crash_points.reached(settings.payments_crash_at, "webhook-after-claim")
+                for item in claimed:
+                    task = asyncio.create_task(_deliver_logged(services, http, item))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                if free > 0 and len(claimed) == free:
+                    continue  # there may be more due right now
+                if free <= 0:
+                    # Every slot is busy: go on as soon as one is free.
+                    await asyncio.wait(running, timeout=settings.worker_poll_seconds,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    # Nothing more is due: rest until the next poll, or stop.
+                    await pause(stop, settings.worker_poll_seconds)
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)

@@ -1,0 +1,264 @@
+"""fake-merchant: a client's webhook endpoint, the consumer side of the outbox.
+
+The payment service POSTs every event of a client with a webhook endpoint
+here (app/workers/webhooks.py), at least once. This is what a careful
+merchant does with them:
+
+* **Verify** the Standard Webhooks signature with the same library the
+  sender signs with (`standardwebhooks`), against each secret it was given:
+  a bad signature, a missing header or a timestamp more than five minutes
+  off is answered 401 and nothing is applied.
+* **Apply each event once, through an inbox**: the `webhook-id` (the event
+  id) is inserted into `processed_message` in the same transaction as the
+  effect (the merchant's own record of the payment). If the insert
+  conflicts, the event was seen before: the delivery is acknowledged (200)
+  and dropped. Two deliveries of one event at the same moment are serialised
+  by the primary key: the second waits for the first to commit, then finds
+  it.
+* **Apply events in order of their ids**, not of arrival: a retried older
+  event arriving after a newer one is recorded (counted in
+  `events_applied`) without moving the status back.
+
+Every POST is logged as it arrives (`received`), with when and how it was
+answered, so a test can prove two deliveries of one event never overlapped.
+A fault plan (`/_admin/faults`, operation `webhook`, matched on the
+payment's reference) makes it misbehave like a real endpoint: `delay`,
+`error_before` (an error, nothing applied), `error_after` (applied, then an
+error: the sender must retry and the inbox absorbs it), `hang_after`
+(applied, then no answer), `rate_limit` (429 with Retry-After).
+
+Records live in PostgreSQL, schema `fake_merchant`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+import typer
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from standardwebhooks import Webhook, WebhookVerificationError
+
+from fake_rails.common import DATABASE_URL_HELP, Problem, base_app, database_url_or_exit, iso, serve_app
+
+SCHEMA = "fake_merchant"
+
+DDL = """
+CREATE TABLE IF NOT EXISTS fake_merchant.secret (
+    secret text PRIMARY KEY,
+    added_at timestamptz NOT NULL DEFAULT now()
+);
+-- The inbox: one row per message applied, inserted with its effect.
+CREATE TABLE IF NOT EXISTS fake_merchant.processed_message (
+    webhook_id text PRIMARY KEY,
+    type text NOT NULL,
+    processed_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+-- The effect: what the merchant knows of each payment.
+CREATE TABLE IF NOT EXISTS fake_merchant.payment (
+    payment_id text PRIMARY KEY,
+    reference text NOT NULL,
+    status text NOT NULL,
+    amount bigint,
+    currency text,
+    last_event_id text NOT NULL,
+    last_event_type text NOT NULL,
+    events_applied integer NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+-- Every POST to /webhooks, logged as it arrives and completed when answered.
+CREATE TABLE IF NOT EXISTS fake_merchant.received (
+    seq bigserial PRIMARY KEY,
+    webhook_id text,
+    webhook_timestamp text,
+    reference text,
+    received_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    answered_at timestamptz,
+    status_code integer,
+    -- applied | duplicate | rejected (bad signature) | fault | error
+    outcome text
+);
+CREATE INDEX IF NOT EXISTS received_webhook_id_idx ON fake_merchant.received (webhook_id);
+"""
+
+_APPLY = """
+INSERT INTO fake_merchant.payment AS p
+    (payment_id, reference, status, amount, currency, last_event_id, last_event_type, events_applied)
+VALUES ($1, $2, $3, $4, $5, $6, $7, 1)
+ON CONFLICT (payment_id) DO UPDATE
+   SET events_applied = p.events_applied + 1,
+       -- Only a newer event (a greater, time-ordered id) moves the status.
+       status = CASE WHEN EXCLUDED.last_event_id > p.last_event_id THEN EXCLUDED.status ELSE p.status END,
+       last_event_type = CASE WHEN EXCLUDED.last_event_id > p.last_event_id
+                              THEN EXCLUDED.last_event_type ELSE p.last_event_type END,
+       last_event_id = greatest(p.last_event_id, EXCLUDED.last_event_id),
+       updated_at = clock_timestamp()
+"""
+
+
+class SecretBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    secret: str = Field(pattern=r"^whsec_[A-Za-z0-9+/=]+$")
+
+
+class SecretsBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    secrets: list[str]
+
+
+def _reference(body: bytes) -> str | None:
+    """The payment's reference, for matching the fault plan (read before, and whatever, the signature says)."""
+    try:
+        parsed = json.loads(body)
+        reference = parsed["data"]["reference"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return reference if isinstance(reference, str) else None
+
+
+def verify(secrets: list[str], body: bytes, headers: dict[str, str]) -> dict[str, Any] | None:
+    """The payload if the signature verifies with one of `secrets`; None otherwise."""
+    for secret in secrets:
+        try:
+            return Webhook(secret).verify(body, headers)
+        # The library raises its own error for a bad or stale signature, and
+        # ValueError for a malformed header or body (no comma, bad base64, not UTF-8).
+        except (WebhookVerificationError, ValueError):
+            continue
+    return None
+
+
+def create_app(database_url: str, secrets: list[str] | None = None) -> FastAPI:
+    app = base_app("fake-merchant", database_url, SCHEMA, DDL, ["webhook"])
+    initial = [s for s in (secrets or []) if s]
+
+    def pool():
+        return app.state.pool
+
+    @app.post("/webhooks")
+    async def receive(request: Request) -> JSONResponse:
+        body = await request.body()
+        headers = dict(request.headers)
+        reference = _reference(body)
+        seq = await pool().fetchval(
+            "INSERT INTO fake_merchant.received (webhook_id, webhook_timestamp, reference) "
+            "VALUES ($1, $2, $3) RETURNING seq",
+            headers.get("webhook-id"), headers.get("webhook-timestamp"), reference,
+        )
+        status, outcome = 500, "error"
+        try:
+            response, outcome = await _handle(body, headers, reference)
+            status = response.status_code
+            return response
+        except Problem as problem:
+            status = problem.status
+            outcome = "rejected" if problem.status == 401 else "fault"
+            raise
+        finally:
+            await pool().execute(
+                "UPDATE fake_merchant.received SET answered_at = clock_timestamp(), status_code = $2, outcome = $3 "
+                "WHERE seq = $1",
+                seq, status, outcome,
+            )
+
+    async def _handle(body: bytes, headers: dict[str, str], reference: str | None) -> tuple[JSONResponse, str]:
+        fault = await app.state.faults.take("webhook", reference)
+        action = fault.action if fault else None
+        if action == "delay":
+            await asyncio.sleep(fault.seconds)
+        elif action == "error_before":
+            raise Problem(fault.status, "injected-error", "Injected error", "fault plan: error_before")
+        elif action == "rate_limit":
+            raise Problem(429, "rate-limited", "Too many requests", "fault plan: rate_limit",
+                          headers={"Retry-After": str(int(fault.seconds or 1))})
+
+        # The secrets it was started with (FAKE_MERCHANT_SECRETS), and those set over /_admin/secrets.
+        secrets = initial + [r["secret"] for r in await pool().fetch("SELECT secret FROM fake_merchant.secret")]
+        payload = verify(secrets, body, headers)
+        if payload is None:
+            raise Problem(401, "invalid-signature", "Invalid signature",
+                          "the webhook signature is missing, wrong or stale; nothing was applied")
+        webhook_id = headers["webhook-id"]
+        data = payload.get("data") or {}
+        async with pool().acquire() as conn, conn.transaction():
+            first = await conn.fetchval(
+                "INSERT INTO fake_merchant.processed_message (webhook_id, type) VALUES ($1, $2) "
+                "ON CONFLICT (webhook_id) DO NOTHING RETURNING webhook_id",
+                webhook_id, str(payload.get("type")),
+            )
+            if first is not None:
+                await conn.execute(
+                    _APPLY, str(data.get("id")), str(data.get("reference")), str(data.get("status")),
+                    data.get("amount"), data.get("currency"), webhook_id, str(payload.get("type")),
+                )
+        outcome = "applied" if first is not None else "duplicate"
+        # Committed by now: what follows loses or delays the answer, not the effect.
+        if first is not None and action == "error_after":
+            raise Problem(fault.status, "injected-error", "Injected error", "fault plan: error_after")
+        if first is not None and action == "hang_after":
+            await asyncio.sleep(fault.seconds)
+        return JSONResponse({"status": outcome}), outcome
+
+    @app.get("/_admin/received", tags=["admin"])
+    async def admin_received(webhook_id: str | None = None) -> dict[str, Any]:
+        rows = await pool().fetch(
+            "SELECT * FROM fake_merchant.received WHERE $1::text IS NULL OR webhook_id = $1 ORDER BY seq", webhook_id
+        )
+        return {"items": [_jsonable(r) for r in rows]}
+
+    @app.get("/_admin/inbox", tags=["admin"])
+    async def admin_inbox() -> dict[str, Any]:
+        rows = await pool().fetch("SELECT * FROM fake_merchant.processed_message ORDER BY processed_at")
+        return {"items": [_jsonable(r) for r in rows]}
+
+    @app.get("/_admin/payments", tags=["admin"])
+    async def admin_payments(reference: str | None = None) -> dict[str, Any]:
+        rows = await pool().fetch(
+            "SELECT * FROM fake_merchant.payment WHERE $1::text IS NULL OR reference = $1 ORDER BY updated_at",
+            reference,
+        )
+        return {"items": [_jsonable(r) for r in rows]}
+
+    @app.get("/_admin/secrets", tags=["admin"])
+    async def admin_secrets() -> dict[str, Any]:
+        return {"count": len(initial) + await pool().fetchval("SELECT count(*) FROM fake_merchant.secret")}
+
+    @app.post("/_admin/secrets", tags=["admin"])
+    async def add_secret(body: SecretBody) -> dict[str, Any]:
+        await pool().execute("INSERT INTO fake_merchant.secret (secret) VALUES ($1) ON CONFLICT DO NOTHING", body.secret)
+        return await admin_secrets()
+
+    @app.put("/_admin/secrets", tags=["admin"])
+    async def replace_secrets(body: SecretsBody) -> dict[str, Any]:
+        async with pool().acquire() as conn, conn.transaction():
+            await conn.execute("DELETE FROM fake_merchant.secret")
+            for secret in body.secrets:
+                await conn.execute("INSERT INTO fake_merchant.secret (secret) VALUES ($1) ON CONFLICT DO NOTHING", secret)
+        return await admin_secrets()
+
+    return app
+
+
+def _jsonable(row) -> dict[str, Any]:
+    return {k: iso(v) if hasattr(v, "isoformat") else v for k, v in dict(row).items()}
+
+
+SECRETS_ENV = "FAKE_MERCHANT_SECRETS"
+
+
+def main() -> None:
+    def serve(
+        port: int = typer.Option(8103, help="Port to listen on."),
+        host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+        database_url: str | None = typer.Option(None, help=DATABASE_URL_HELP),
+    ) -> None:
+        # Secrets from the environment (comma-separated), never the command
+        # line, where any user of the machine could read them (ps).
+        secrets = [s.strip() for s in os.environ.get(SECRETS_ENV, "").split(",") if s.strip()]
+        serve_app(create_app(database_url_or_exit(database_url), secrets), host, port)
+
+    typer.run(serve)
