@@ -93,7 +93,7 @@ async def test_the_feed_lists_only_the_callers_events_in_order_and_pages_by_curs
     theirs = (await pay(http, stack, globex, payment_body()))[1]["id"]
 
     async def all_visible() -> bool:
-        return len((await feed(http, stack, acme))["data"]) == 3
+        return len((await feed(http, stack, acme))["data"]) == 3 and len((await feed(http, stack, globex))["data"]) == 1
 
     await until(all_visible, "the events to pass the feed's one-second horizon", timeout=10)
     page = await feed(http, stack, acme, limit=2)
