@@ -7,6 +7,7 @@ app with explicit settings and several apps can live in one process.
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -115,6 +116,17 @@ class Settings(BaseSettings):
     # absent only once every statement in its horizon is final.
     reconcile_booking_days: int = Field(default=3, ge=1, le=14)
     reconcile_lease_seconds: float = Field(default=300.0, gt=0)
+    # What the service tells its operators (docs/operations.md). Metrics:
+    # /metrics on the API, and the worker's own on WORKER_METRICS_HOST:PORT
+    # (the worker has no other HTTP face); false turns both off. Logs:
+    # LOG_FORMAT json (one object per line) or console (readable; what
+    # `payments run` uses); LOG_LEVEL for the service's own loggers.
+    metrics_enabled: bool = True
+    worker_metrics_host: str = "127.0.0.1"
+    worker_metrics_port: int = Field(default=8200, ge=1, le=65535)
+    log_format: Literal["json", "console"] = "json"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
     # Crash tests and demos only: die at this named point (app.payments.crash_points;
     # the commands check the name at start-up, app/cli.py::_settings).
     payments_crash_at: str | None = None
@@ -133,6 +145,13 @@ class Settings(BaseSettings):
         # An entry that is not an IBAN refuses start-up rather than being
         # silently never matched.
         return ",".join(sorted(normalise_all(value)))
+
+    @field_validator("log_format", "log_level", mode="before")
+    @classmethod
+    def _any_case(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        return value.lower() if value.lower() in ("json", "console") else value.upper()
 
     @field_validator("database_url")
     @classmethod

@@ -33,6 +33,7 @@ from sqlalchemy import exc as sa
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.db.errors import database_unavailable, describe, loggable
+from app.observability import metrics
 from app.problems import (
     INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_ALLOWED, NOT_FOUND, SERVICE_UNAVAILABLE, ProblemError, ProblemType,
 )
@@ -56,6 +57,7 @@ def problem_response(
     headers: dict[str, str] | None = None,
     **extensions: Any,
 ) -> Response:
+    metrics.child(metrics.PROBLEMS, problem.slug).inc()
     body = {"type": problem.uri, "title": problem.title, "status": problem.status, "detail": detail}
     if instance:
         body["instance"] = instance

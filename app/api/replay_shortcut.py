@@ -50,6 +50,7 @@ from app.api.errors import retry_after_seconds, unavailable_response
 from app.db.errors import database_unavailable
 from app.api.routes import final_response
 from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
+from app.observability import metrics
 from app.payments.models import PaymentRequest
 from app.payments.runner import Finished
 from app.payments.service import fingerprint, stored_response
@@ -93,6 +94,7 @@ class ReplayShortcut:
             await unavailable_response(PATH, exc, retry_after)(scope, receive, send)
             return
         if replay is not None:
+            metrics.REPLAYED_BY_SHORTCUT.inc()
             await final_response(replay, replayed=True)(scope, receive, send)
             return
         await self.app(scope, _replaying(messages, receive), send)
