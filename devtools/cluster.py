@@ -43,7 +43,8 @@ def main() -> None:
     if args.replicas < 1:
         raise SystemExit("--replicas must be at least 1")
 
-    system = System(environ=dict(os.environ))
+    # Read at a terminal: the readable log format, unless LOG_FORMAT says otherwise.
+    system = System(environ={"LOG_FORMAT": "console"} | dict(os.environ))
     directory = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")).resolve() / "nginx"
 
     def start() -> None:

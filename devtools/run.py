@@ -35,14 +35,17 @@ from devtools.system import System
 
 def run(console: Console, api_port: int, psp_port: int, rail_port: int) -> None:
     """Start everything: database, migrations, fake PSP, fake rail, API, worker; until Ctrl-C."""
-    system = System(environ=dict(os.environ))
+    # A person reads these processes' lines at the terminal: the readable
+    # log format, unless LOG_FORMAT says otherwise (README.md#configuration).
+    system = System(environ={"LOG_FORMAT": "console"} | dict(os.environ))
+    metrics_port = os.environ.get("WORKER_METRICS_PORT", "8200")
 
     def start() -> None:
         api_key = demo_api_key(open_database(system, console))
         system.start_fakes(psp_port=psp_port, rail_port=rail_port)
         system.start_api("API", port=api_port)
-        system.start_worker("recovery worker")
-        _print_welcome(console, api_port, psp_port, rail_port, api_key)
+        system.start_worker("recovery worker", WORKER_METRICS_PORT=metrics_port)
+        _print_welcome(console, api_port, psp_port, rail_port, api_key, metrics_port=metrics_port)
 
     supervise(system, console, start)
 
@@ -119,12 +122,15 @@ def demo_api_key(url: str) -> str:
     return api_key
 
 
-def _print_welcome(console: Console, api_port: int, psp_port: int, rail_port: int, api_key: str) -> None:
+def _print_welcome(console: Console, api_port: int, psp_port: int, rail_port: int, api_key: str, *,
+                   metrics_port: str = "8200") -> None:
     console.rule("[bold green]exactly-once payments is running")
     console.print(f"API        http://127.0.0.1:{api_port}   (OpenAPI UI: http://127.0.0.1:{api_port}/docs)")
     console.print(f"fake PSP   http://127.0.0.1:{psp_port}   (records: /_admin/charges)")
     console.print(f"fake rail  http://127.0.0.1:{rail_port}   (records: /_admin/transfers)")
     console.print("worker     the recovery worker resumes any payment whose owner died")
+    console.print(f"metrics    http://127.0.0.1:{api_port}/metrics (API), http://127.0.0.1:{metrics_port}/metrics "
+                  "(worker): docs/operations.md")
     print_pay_once(console, f"http://127.0.0.1:{api_port}", api_key)
 
 
