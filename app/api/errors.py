@@ -57,6 +57,8 @@ def problem_response(
     headers: dict[str, str] | None = None,
     **extensions: Any,
 ) -> Response:
+    # Every problem answer is built here, so this counts them all, by type
+    # (the 409s, 422s and 503s an operator alerts on: docs/operations.md).
     metrics.child(metrics.PROBLEMS, problem.slug).inc()
     body = {"type": problem.uri, "title": problem.title, "status": problem.status, "detail": detail}
     if instance:

@@ -28,6 +28,9 @@ by the same model as FastAPI does (so it yields the same fingerprint), and
 422) is never answered here, so the order of those refusals is the full
 path's. The shortcut writes nothing. When it hands a request on, it leaves
 its read behind (`deps.hand_over`), so a new payment still costs one read.
+It counts each replay it answers (`payments_replays_total`, answered_by
+shortcut) and logs nothing: a line per replay would cost a good part of
+what the shortcut saves (docs/operations.md#what-watching-costs).
 
 One answer is its own: when its read cannot reach the database, it answers
 503 `service-unavailable` here. It runs outside Starlette's

@@ -112,6 +112,7 @@ async def drive(services: Services, op: Operation) -> Finished | Pending:
     """
     while op.recovery_point != FINISHED:
         _bind(op)
+        cause = None  # counted by the outcome's class, unless the step raised
         try:
             result = await _step(services, op)
         except LeaseLost:
@@ -126,8 +127,6 @@ async def drive(services: Services, op: Operation) -> Finished | Pending:
         except BaseException:
             await asyncio.shield(_release_now(services, op))
             raise
-        else:
-            cause = None
         if isinstance(result, Operation):
             op = result
             if op.recovery_point == FINISHED:

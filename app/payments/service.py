@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from app.db.transaction import atomic, one_statement, read
+from app.db.transaction import one_statement, read
 from app.idempotency import store as keys
 from app.idempotency.keys import request_fingerprint
 from app.idempotency.store import KeyRow, LeaseLost
