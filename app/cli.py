@@ -132,7 +132,6 @@ def _serve(factory: str, host: str, port: int, workers: int, *, metered: bool = 
     # On SIGTERM uvicorn stops accepting and gives requests in flight this long
     # to finish; then it cancels them, and the app releases their leases
     # before it exits (app/api/in_flight.py).
-    logs.skip_unused_record_attributes()
     try:
         uvicorn.run(
             factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False,
@@ -161,7 +160,6 @@ def worker() -> None:
     _database_url()
     settings = _settings()
     logs.configure(settings.log_format, settings.log_level)
-    logs.skip_unused_record_attributes()
     if not process.main(settings):
         raise typer.Exit(2)
 

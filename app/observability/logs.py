@@ -87,7 +87,12 @@ class ConsoleFormatter(logging.Formatter):
 
 
 def formatter(log_format: str = "json") -> logging.Formatter:
-    """The formatter for LOG_FORMAT (named in `dict_config`, so uvicorn's workers build it too)."""
+    """The formatter for LOG_FORMAT (named in `dict_config`, so uvicorn's workers build it too).
+
+    Built once in every process that logs (uvicorn's spawned workers start
+    afresh), so that is where the standard library's switches are set too.
+    """
+    skip_unused_record_attributes()
     if log_format == "console":
         return ConsoleFormatter()
     # An exception's traceback becomes one string field: still one line.
