@@ -131,9 +131,9 @@ def configure(log_format: str, level: str) -> None:
 def skip_unused_record_attributes() -> None:
     """The standard library's documented switches for what no line of ours shows.
 
-    Finding the caller's file and line walks the stack on every record (a
-    third of a line's cost), and a line names its logger instead; thread and
-    process names are the same on every line of a process.
+    Finding the caller's file and line walks the stack on every record, and
+    a line names its logger instead; thread and process names are the same
+    on every line of a process.
     """
     logging._srcfile = None  # type: ignore[attr-defined]
     logging.logThreads = False
