@@ -178,40 +178,55 @@ TIMEOUT_KEEP_ALIVE = 5
 LIMIT_CONCURRENCY = 1000
 
 
-def _serve(factory: str, host: str, port: int, workers: int) -> None:
-    import uvicorn
-
-    from app.config import Settings
+def _serve(factory: str, host: str, port: int, workers: int, *, metered: bool = True) -> None:
+    from app.observability import logs, multiproc
 
     _database_url()
-    _settings()  # refuse to start here, with a clear message, not in each worker
+    settings = _settings()  # refuse to start here, with a clear message, not in each worker
+    # Before uvicorn (or anything) imports prometheus_client: every worker
+    # process writes its metrics to files in this directory, and /metrics
+    # adds them up (app/observability/multiproc.py).
+    made_dir = None
+    if metered and settings.metrics_enabled:
+        path, made = multiproc.prepare()
+        made_dir = path if made else None
+    import uvicorn
+
     # Each worker process calls the factory, so each builds its own engine
     # and HTTP client after the fork: nothing pooled is shared across processes.
     # On SIGTERM uvicorn stops accepting and gives requests in flight this long
     # to finish; then it cancels them, and the app releases their leases
     # before it exits (app/api/in_flight.py).
-    grace = Settings().shutdown_grace_seconds
-    uvicorn.run(
-        factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False,
-        timeout_graceful_shutdown=grace,
-        # An import string, so each worker process imports it itself.
-        http="app.api.http_protocol:BoundedHttpToolsProtocol",
-        timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
-        limit_concurrency=LIMIT_CONCURRENCY,
-    )
+    try:
+        uvicorn.run(
+            factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False,
+            timeout_graceful_shutdown=settings.shutdown_grace_seconds,
+            # An import string, so each worker process imports it itself.
+            http="app.api.http_protocol:BoundedHttpToolsProtocol",
+            timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
+            limit_concurrency=LIMIT_CONCURRENCY,
+            # Applied by uvicorn in every worker process: LOG_FORMAT, LOG_LEVEL.
+            log_config=logs.dict_config(settings.log_format, settings.log_level),
+        )
+    finally:
+        if made_dir is not None:
+            multiproc.remove(made_dir)
 
 
 @cli.command()
 def worker() -> None:
     """Run the background worker: crash recovery, and reconciliation once per day."""
-    import logging
-
+    # One process: its metrics live in memory and are served on a port of
+    # its own (WORKER_METRICS_PORT), never in an API's directory of files.
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    from app.observability import logs
     from app.workers import process
 
     _database_url()
     settings = _settings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    process.main(settings)
+    logs.configure(settings.log_format, settings.log_level)
+    if not process.main(settings):
+        raise typer.Exit(2)
 
 
 @cli.command()
@@ -219,15 +234,15 @@ def reconcile(
     day: str = typer.Option(None, "--date", help="The statement day (YYYY-MM-DD, UTC); default yesterday."),
 ) -> None:
     """Settle indeterminate payouts against the rail's statement for one day, once."""
-    import logging
     from datetime import date
 
+    from app.observability import logs
     from app.services import open_services
     from app.workers import reconciliation
 
     _database_url()
     settings = _settings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(settings.log_format, settings.log_level)
     try:
         window = date.fromisoformat(day) if day else reconciliation.yesterday()
     except ValueError:
@@ -297,7 +312,7 @@ def naive_api(
     workers: int = typer.Option(1, help="Worker processes (uvicorn)."),
 ) -> None:
     """Serve THE NAIVE TWIN: the same flow with no protection. For benchmarks and demos only."""
-    _serve("naive_twin.app:create_app", host, port, workers)
+    _serve("naive_twin.app:create_app", host, port, workers, metered=False)
 
 
 @cli.command()

@@ -7,6 +7,7 @@ app with explicit settings and several apps can live in one process.
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -149,6 +150,17 @@ class Settings(BaseSettings):
     webhook_backoff_cap_seconds: float = Field(default=21600.0, gt=0)
     # Deliveries one worker has in flight at once.
     webhook_concurrency: int = Field(default=16, ge=1)
+    # What the service tells its operators (docs/operations.md). Metrics:
+    # /metrics on the API, and the worker's own on WORKER_METRICS_HOST:PORT
+    # (the worker has no other HTTP face); false turns both off. Logs:
+    # LOG_FORMAT json (one object per line) or console (readable; what
+    # `payments run` uses); LOG_LEVEL for the service's own loggers.
+    metrics_enabled: bool = True
+    worker_metrics_host: str = "127.0.0.1"
+    worker_metrics_port: int = Field(default=8200, ge=1, le=65535)
+    log_format: Literal["json", "console"] = "json"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
     # Crash tests and demos only: die at this named point (app.payments.crash_points;
     # the commands check the name at start-up, app/cli.py::_settings).
     payments_crash_at: str | None = None
@@ -211,6 +223,13 @@ class Settings(BaseSettings):
         if self.webhook_lease_seconds <= self.webhook_timeout_seconds:
             raise ValueError("WEBHOOK_LEASE_SECONDS must be longer than WEBHOOK_TIMEOUT_SECONDS")
         return self
+
+    @field_validator("log_format", "log_level", mode="before")
+    @classmethod
+    def _any_case(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        return value.lower() if value.lower() in ("json", "console") else value.upper()
 
     @field_validator("database_url")
     @classmethod

@@ -12,10 +12,13 @@ from fastapi_offline import FastAPIOffline
 from app.api import errors
 from app.api.body_limit import BodyLimit
 from app.api.in_flight import InFlight, TrackInFlight
+from app.api.metrics import RequestMetrics
+from app.api.metrics import router as metrics_router
 from app.api.replay_shortcut import ReplayShortcut
 from app.api.routes import router
 from app.console import routes as console
 from app.config import Settings
+from app.observability import metrics
 from app.problems import CATALOGUE
 from app.services import open_services
 
@@ -59,6 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 # SHUTDOWN_GRACE_SECONDS; let each give its lease back before
                 # the engine is disposed (app/api/in_flight.py).
                 await in_flight.settle()
+                metrics.process_exiting()
 
     # FastAPI, with /docs (Swagger UI) and /redoc served from assets that
     # ship in the fastapi-offline package: FastAPI's own pages load them from
@@ -90,6 +94,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Added last, so outermost: every request's task is known to the
     # lifespan's shutdown, which lets cancelled payments give their leases back.
     app.add_middleware(TrackInFlight, in_flight=in_flight)
+    if settings.metrics_enabled:
+        # Outermost of all: every answer is counted, the shortcut's and the
+        # body cap's too (app/api/metrics.py); /metrics for Prometheus.
+        app.add_middleware(RequestMetrics)
+        app.include_router(metrics_router)
     _document_the_api_as_it_answers(app)
     return app
 

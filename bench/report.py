@@ -24,11 +24,15 @@ from bench.costs import LOAD_GENERATOR, MACHINE, OTHERS, PG_PARTS
 from bench.system import console
 
 KINDS = ("phased", "naive")
+# The phased service with its metrics and logs off, and the replays of each.
+WATCHING = ("unwatched", "replays", "replays-unwatched")
 TARGETS = {
     "rate": ("payments/s: phased ÷ naive", ">=", 0.8, "×"),
     "replays": ("replays/s ÷ new payments/s", ">=", 10.0, "×"),
     "writes": ("writing transactions per payment", "==", 3.0, ""),
     "p99": ("p99 latency: phased ÷ naive", "<=", 2.0, "×"),
+    "watching": ("payments/s: metrics and logs on ÷ off", ">=", 0.95, "×"),
+    "watching_replays": ("replays/s: metrics and logs on ÷ off", ">=", 0.95, "×"),
 }
 
 
@@ -109,9 +113,10 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         latency = results["pooled_latency_ms"].get(str(workers), {})
         kinds = {
             kind: summarize_kind(of_kind, latency.get(kind, {}))
-            for kind in (*KINDS, "replays")
+            for kind in (*KINDS, *WATCHING)
             if (of_kind := [r for r in runs if r["kind"] == kind])
         }
+        unwatched, replays_unwatched = kinds.get("unwatched"), kinds.get("replays-unwatched")
         phased, naive, replays = kinds.get("phased"), kinds.get("naive"), kinds.get("replays")
         rate = _ratio(phased and phased["per_second"]["mean"], naive and naive["per_second"]["mean"])
         per_round = [
@@ -121,6 +126,15 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         ]
         p99 = _ratio(phased and phased["latency_ms"].get("p99"), naive and naive["latency_ms"].get("p99"))
         replay_ratio = _ratio(replays and replays["per_second"]["mean"], phased and phased["per_second"]["mean"])
+        watching = _ratio(phased and phased["per_second"]["mean"], unwatched and unwatched["per_second"]["mean"])
+        watching_replays = _ratio(replays and replays["per_second"]["mean"],
+                                  replays_unwatched and replays_unwatched["per_second"]["mean"])
+        watching_per_round = [
+            _ratio(p["run"]["per_second"], q["run"]["per_second"])
+            for kind, other in (("phased", "unwatched"), ("replays", "replays-unwatched"))
+            for p in runs if p["kind"] == kind
+            for q in runs if q["kind"] == other and q["round"] == p["round"]
+        ]
         ceiling_tps = results["ceiling"].get("tps")
         blocks.append({
             "workers": workers,
@@ -132,12 +146,17 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 "p99": p99,
                 "replays_to_new": replay_ratio,
                 "of_ceiling": _ratio(phased and phased["per_second"]["mean"], ceiling_tps),
+                "watching": watching,
+                "watching_replays": watching_replays,
+                "watching_per_round": watching_per_round,
             },
             "targets": [
                 _target("rate", rate),
                 _target("replays", replay_ratio),
                 _target("writes", phased and phased["writing_txns"]),
                 _target("p99", p99),
+                *([_target("watching", watching)] if unwatched else []),
+                *([_target("watching_replays", watching_replays)] if replays_unwatched else []),
             ],
         })
     return {
@@ -166,7 +185,7 @@ def progress_line(label: str, run: dict[str, Any]) -> str:
     wal = run["wal"]
     writes = "n/a" if "n/a" in wal else fmt(_per(wal["transactions"], wal["operations"]), 2)
     verdict = "[green]ok[/]" if run["exactly_once"]["pass"] else "[bold red]FAIL[/]"
-    unit = "replays" if run["kind"] == "replays" else "payments"
+    unit = "replays" if run["kind"].startswith("replays") else "payments"
     other = f", [yellow]{r['requests'] - r['succeeded']} not 201[/]" if r["requests"] > r["succeeded"] else ""
     return (f"{label}: {fmt(r['per_second'], 0)} {unit}/s, p50 {fmt(lat['p50'])} ms, p99 {fmt(lat['p99'])} ms, "
             f"{writes} writing txns each, busy {fmt(run['machine_busy_percent'], 0)}%{other}; exactly-once {verdict}")
@@ -258,6 +277,37 @@ def print_block(results: dict[str, Any], block: dict[str, Any]) -> None:
             rt.add_row("API CPU % by worker", ", ".join(replays["api_split_percent"]), "")
         rt.add_row("exactly-once (byte-identical, nothing charged)", _pass(replays), "")
         console.print(rt)
+    print_watching(block)
+
+
+def print_watching(block: dict[str, Any]) -> None:
+    """Metrics and logs on (the defaults) beside off, for new payments and replays: what watching costs."""
+    w, ratio = block["workers"], block["ratio"]
+    pairs = [("new payments", block.get("phased"), block.get("unwatched"), ratio.get("watching"), "payment"),
+             ("replays", block.get("replays"), block.get("replays-unwatched"), ratio.get("watching_replays"), "replay")]
+    if not any(off for _, _, off, _, _ in pairs):
+        return
+    table = Table(title=f"{w}w: the cost of watching: the phased service with metrics and logs (the defaults) "
+                        "and without (METRICS_ENABLED=false, LOG_LEVEL=WARNING), side by side",
+                  title_justify="left")
+    table.add_column("figure")
+    table.add_column("on", justify="right")
+    table.add_column("off", justify="right")
+    table.add_column("on ÷ off", justify="right")
+    for name, on, off, r, unit in pairs:
+        if not (on and off):
+            continue
+        table.add_row(f"{name}/s: mean (min–max)", _rate(on), _rate(off), fmt(r, 3, "×"))
+        for q in ("p50", "p99"):
+            a, b = on["latency_ms"].get(q), off["latency_ms"].get(q)
+            table.add_row(f"  latency {q} (ms)", fmt(a, 2), fmt(b, 2), fmt(_ratio(a, b), 2, "×"))
+        a, b = on["cpu_ms"].get("API"), off["cpu_ms"].get("API")
+        table.add_row(f"  API CPU ms per {unit}", fmt(a, 3), fmt(b, 3), fmt(_ratio(a, b), 3, "×"))
+    per_round = [x for x in ratio.get("watching_per_round", []) if x is not None]
+    if per_round:
+        table.add_row("on ÷ off, each round (new payments, then replays)", ", ".join(f"{x:.2f}" for x in per_round),
+                      "", "")
+    console.print(table)
 
 
 def _pass(kind: dict[str, Any] | None) -> str:
@@ -318,8 +368,8 @@ def print_setup(results: dict[str, Any]) -> None:
                              f"load {m['load_average_1m_at_start']} at start; everything on this machine")
     table.add_row("PostgreSQL", f"{m['postgresql']} ({p['server']}; {settings})")
     table.add_row("runs", f"{p['concurrency']} clients; per worker count ({', '.join(map(str, p['workers']))}): "
-                          f"{p['rounds']} rounds × (phased, naive), each {p['warmup_s']:g} s warm-up + "
-                          f"{p['duration_s']:g} s; replays {p['replay_duration_s']:g} s; "
+                          f"{p['rounds']} rounds × (phased, unwatched, naive), each {p['warmup_s']:g} s warm-up + "
+                          f"{p['duration_s']:g} s; replays {p['replay_duration_s']:g} s each, watched and unwatched; "
                           f"pgbench {p['pgbench_duration_s']:g} s; {results.get('wall_clock_s', 0):.0f} s in all")
     table.add_row("load generator", f"{p['load_generator']}, Python {m['python']}, in the bench's own process")
     console.print(table)

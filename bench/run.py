@@ -10,6 +10,11 @@ from another machine or another day is not comparable at all.
 
 The figures, and why each matters (four of them have targets, in the "targets" table):
 
+the cost of watching: new payments/s and replays/s with metrics and logs
+(the defaults) ÷ with them switched off (METRICS_ENABLED=false,
+LOG_LEVEL=WARNING), side by side in the same rounds
+    Watching the service must not slow it down noticeably: the target is at
+    least 0.95x for both (docs/operations.md#what-watching-costs).
 new payments/s and p50 / p99 latency, phased vs naive, and their ratio
     The price of safety. The phased service does more per payment (a key
     row, leases, fencing, a stored response), so it is slower; the target
@@ -38,16 +43,21 @@ the database-only ceiling (pgbench)
 exactly-once
     See bench/checks.py: checked after every run; FAIL exits with status 1.
 
-How it runs (about 8.5 minutes with the defaults, most of it the measured runs):
+How it runs (about 12 minutes with the defaults, most of it the measured runs):
 
     create payments_bench and payments_bench_rails; start the fake PSP and rail
     for each worker count (1, then 2):
-        start `payments api --workers N` and `payments naive-api --workers N`
-        for each round: phased, webhooks, naive (odd rounds), naive, webhooks, phased (even):
+        start `payments api --workers N` twice (watched: the defaults;
+        unwatched: metrics off, logging at WARNING) and `payments naive-api --workers N`
+        for each round: phased, unwatched, webhooks, naive (odd rounds), the reverse (even)
+        (webhooks: the watched phased API paid by a client with a webhook endpoint,
+        while a worker's dispatcher delivers to the fake merchant):
             warm-up (not counted); the measured run; the exactly-once check;
             idle until PostgreSQL has published its statistics
-        replays of the last phased run's finished keys: warm-up, run, check
-        stop both APIs
+        replays of each one's last finished keys, in the order watched,
+        unwatched, unwatched, watched, half the replay time each:
+        warm-up, run, check
+        stop the APIs
     pgbench with the service's SQL (the ceiling); report; JSON
 
 Alternating the order cancels drift (a warming cache, a growing table, a
@@ -68,6 +78,7 @@ import os
 import platform
 import signal
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -85,13 +96,15 @@ from bench.checks import Check, exactly_once, replays_check
 from bench.costs import STATS_SETTLE_SECONDS, CpuMeter, Wal, WalCount
 from bench.load import Load, Paid, RunResult, latency_ms
 from bench.system import (
-    NAIVE, PHASED, RESULTS, WEBHOOKS, Databases, Server, Service, apis, console, database_server, fakes,
+    NAIVE, PHASED, RESULTS, UNWATCHED, WEBHOOKS, Databases, Server, Service, apis, console, database_server, fakes,
     merchant_and_worker, prepare_databases, register_webhook, running,
 )
 
 REPLAY_KEYS = 1000
 # After a webhooks run, how long the bench waits for the dispatcher to deliver what is left.
 DRAIN_WAIT_SECONDS = 60.0
+# The kind of a replay run, by the variant that answers it.
+REPLAYS = {PHASED: "replays", UNWATCHED: "replays-unwatched"}
 T = TypeVar("T")
 DEFAULT_WORKERS = "1,2"
 
@@ -111,7 +124,7 @@ class Params:
 class Measured:
     """One measured run: what the clients saw, and what it cost."""
 
-    kind: str  # "phased", "naive" or "replays"
+    kind: str  # "phased", "unwatched", "naive", "replays" or "replays-unwatched"
     workers: int
     round: int
     warm: RunResult
@@ -210,9 +223,9 @@ class Bench:
             console.rule(f"{workers} worker{'s' if workers > 1 else ''} per API: "
                          f"{p.runs} round{'s' if p.runs > 1 else ''} of {p.duration:g} s each, {p.concurrency} clients")
             self.settled = await costs.xact_commit(self.conn)  # the APIs have not run a query yet
-            last_phased: list[Paid] = []
+            last: dict[str, list[Paid]] = {}
             for round_ in range(1, p.runs + 1):
-                order = (PHASED, WEBHOOKS, NAIVE) if round_ % 2 else (NAIVE, WEBHOOKS, PHASED)
+                order = (PHASED, UNWATCHED, WEBHOOKS, NAIVE) if round_ % 2 else (NAIVE, WEBHOOKS, UNWATCHED, PHASED)
                 for variant in order:
                     if variant == WEBHOOKS:
                         await self.webhooks_round(services[PHASED], workers, round_)
@@ -223,18 +236,22 @@ class Bench:
                             lambda run, v=variant: exactly_once(
                                 v, self.dbs.service_url, self.dbs.rails_url, self.dbs.client_id, run),
                         )
-                    if variant == PHASED:
-                        last_phased = measured.result.paid
-            replayed = last_phased[:REPLAY_KEYS]
-            if not replayed:
-                console.print("[red]no phased payment finished: nothing to replay[/]")
-                return
-            async with Load(services[PHASED].url, self.dbs.api_key, p.concurrency) as load:
-                await self.measure(
-                    "replays", workers, 0, services[PHASED],
-                    lambda duration: load.replays(replayed, duration), p.replay_duration,
-                    lambda run: replays_check(self.dbs.rails_url, run, replayed),
-                )
+                    last[variant] = measured.result.paid
+            # Replays, watched and unwatched, in the order A B B A, each for
+            # half the replay time: drift between them cancels as in the rounds.
+            replay_rounds: Counter[str] = Counter()
+            for variant in (PHASED, UNWATCHED, UNWATCHED, PHASED):
+                replayed = last.get(variant, [])[:REPLAY_KEYS]
+                if not replayed:
+                    console.print(f"[red]no {variant} payment finished: nothing to replay[/]")
+                    return
+                replay_rounds[variant] += 1
+                async with Load(services[variant].url, self.dbs.api_key, p.concurrency) as load:
+                    await self.measure(
+                        REPLAYS[variant], workers, replay_rounds[variant], services[variant],
+                        lambda duration, r=replayed: load.replays(r, duration), p.replay_duration / 2,
+                        lambda run, r=replayed: replays_check(self.dbs.rails_url, run, r),
+                    )
 
     async def webhooks_round(self, api: Service, workers: int, round_: int) -> None:
         """The phased service again, paid by the client with a webhook endpoint: the same load, plus the

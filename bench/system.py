@@ -207,7 +207,16 @@ class Service(Process):
 
 
 PHASED, NAIVE = "phased", "naive"
-VARIANTS = (PHASED, NAIVE)
+# The phased service with its metrics and logs switched off: beside PHASED
+# (metrics on, logging at INFO, the defaults) it prices watching the
+# service (docs/operations.md#what-watching-costs).
+UNWATCHED = "unwatched"
+VARIANTS = (PHASED, UNWATCHED, NAIVE)
+SETTINGS = {
+    PHASED: {"METRICS_ENABLED": "true", "LOG_LEVEL": "INFO", "LOG_FORMAT": "json"},
+    UNWATCHED: {"METRICS_ENABLED": "false", "LOG_LEVEL": "WARNING", "LOG_FORMAT": "json"},
+    NAIVE: {},
+}
 # The phased service again, paid by the client with a webhook endpoint.
 WEBHOOKS = "webhooks"
 
@@ -241,15 +250,16 @@ def merchant_and_worker(dbs: Databases, psp: Service, rail: Service) -> list[Ser
 
 
 def apis(service_url: str, psp: Service, rail: Service, workers: int) -> dict[str, Service]:
-    """The phased service (`payments api`) and the naive twin (`payments naive-api`), `workers` processes each."""
+    """The phased service (`payments api`) watched and unwatched, and the naive twin (`payments naive-api`),
+    `workers` processes each."""
     system = System()
     system.database_url, system.psp, system.rail = service_url, psp, rail
     # uvicorn runs a single worker in its own process, and N > 1 in children of a master.
     processes = 1 if workers == 1 else workers + 1
-    command = {PHASED: "api", NAIVE: "naive-api"}
+    command = {PHASED: "api", UNWATCHED: "api", NAIVE: "naive-api"}
     return {
         variant: Service.of(
-            system.api_process(command=command[variant], args=("--workers", str(workers))),
+            system.api_process(command=command[variant], args=("--workers", str(workers)), **SETTINGS[variant]),
             f"{variant} API ({workers}w)",
             processes=processes,
         )

@@ -46,7 +46,8 @@ def main() -> None:
         raise SystemExit("--replicas must be at least 1")
 
     operator_token = os.environ.get("OPERATOR_TOKEN") or kept_operator_token()
-    system = System(environ=dict(os.environ, OPERATOR_TOKEN=operator_token))
+    # Read at a terminal: the readable log format, unless LOG_FORMAT says otherwise.
+    system = System(environ={"LOG_FORMAT": "console"} | dict(os.environ, OPERATOR_TOKEN=operator_token))
     directory = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")).resolve() / "nginx"
 
     def start() -> None:

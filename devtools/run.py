@@ -41,7 +41,10 @@ from devtools.system import System
 def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant_port: int = 8103) -> None:
     """Start everything: database, migrations, fake PSP, fake rail, fake merchant, API, worker; until Ctrl-C."""
     operator_token = os.environ.get("OPERATOR_TOKEN") or kept_operator_token()
-    system = System(environ=dict(os.environ, OPERATOR_TOKEN=operator_token))
+    # A person reads these processes' lines at the terminal: the readable
+    # log format, unless LOG_FORMAT says otherwise (README.md#configuration).
+    system = System(environ={"LOG_FORMAT": "console"} | dict(os.environ, OPERATOR_TOKEN=operator_token))
+    metrics_port = os.environ.get("WORKER_METRICS_PORT", "8200")
 
     def start() -> None:
         url = open_database(system, console)
@@ -53,8 +56,8 @@ def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant
         system.start_fakes(psp_port=psp_port, rail_port=rail_port)
         system.start_merchant(port=merchant_port, secrets=[secret])
         system.start_api("API", port=api_port)
-        system.start_worker("worker")
-        _print_welcome(console, api_port, psp_port, rail_port, merchant_port, api_key)
+        system.start_worker("worker", WORKER_METRICS_PORT=metrics_port)
+        _print_welcome(console, api_port, psp_port, rail_port, merchant_port, api_key, metrics_port=metrics_port)
         print_console_link(console, f"http://127.0.0.1:{api_port}", operator_token)
         console.print(STOP_HINT)
 
@@ -180,13 +183,15 @@ def demo_webhook_secret(url: str, webhook_url: str) -> str:
 
 
 def _print_welcome(console: Console, api_port: int, psp_port: int, rail_port: int, merchant_port: int,
-                   api_key: str) -> None:
+                   api_key: str, *, metrics_port: str = "8200") -> None:
     console.rule("[bold green]exactly-once payments is running")
     console.print(f"API        http://127.0.0.1:{api_port}   (OpenAPI UI: http://127.0.0.1:{api_port}/docs)")
     console.print(f"fake PSP   http://127.0.0.1:{psp_port}   (records: /_admin/charges)")
     console.print(f"fake rail  http://127.0.0.1:{rail_port}   (records: /_admin/transfers)")
     console.print(f"merchant   http://127.0.0.1:{merchant_port}   (the demo client's webhooks: /_admin/received, /_admin/inbox)")
     console.print("worker     resumes any payment whose owner died, reconciles, delivers webhooks")
+    console.print(f"metrics    http://127.0.0.1:{api_port}/metrics (API), http://127.0.0.1:{metrics_port}/metrics "
+                  "(worker): docs/operations.md")
     print_pay_once(console, f"http://127.0.0.1:{api_port}", api_key)
 
 

@@ -209,7 +209,13 @@ class System:
         return Process(name, argv, self.service_env(**settings), self.log_for(name, port), port)
 
     def worker_process(self, name: str = "worker", **settings: str) -> Process:
-        """`payments worker` with service_env(**settings)."""
+        """`payments worker` with service_env(**settings), serving its metrics on a free port unless told one.
+
+        Its metrics port is in its environment (`process.env["WORKER_METRICS_PORT"]`):
+        two workers on one machine must not ask for the same one.
+        """
+        if "WORKER_METRICS_PORT" not in settings and "WORKER_METRICS_PORT" not in self.settings:
+            settings["WORKER_METRICS_PORT"] = str(free_port())
         log = self.log_for(name, len(self.processes))
         return Process(name, [str(BIN / "payments"), "worker"], self.service_env(**settings), log,
                        ready_line=WORKER_STARTED if log else None)

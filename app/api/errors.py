@@ -33,6 +33,7 @@ from sqlalchemy import exc as sa
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.db.errors import database_unavailable, describe, loggable, row_moved
+from app.observability import metrics
 from app.problems import (
     INTERNAL_ERROR, INVALID_REQUEST, KEY_TABLE_UNAVAILABLE, METHOD_NOT_ALLOWED, NOT_FOUND, SERVICE_UNAVAILABLE,
     ProblemError, ProblemType,
@@ -57,6 +58,9 @@ def problem_response(
     headers: dict[str, str] | None = None,
     **extensions: Any,
 ) -> Response:
+    # Every problem answer is built here, so this counts them all, by type
+    # (the 409s, 422s and 503s an operator alerts on: docs/operations.md).
+    metrics.child(metrics.PROBLEMS, problem.slug).inc()
     body = {"type": problem.uri, "title": problem.title, "status": problem.status, "detail": detail}
     if instance:
         body["instance"] = instance

@@ -28,6 +28,9 @@ by the same model as FastAPI does (so it yields the same fingerprint), and
 422) is never answered here, so the order of those refusals is the full
 path's. The shortcut writes nothing. When it hands a request on, it leaves
 its read behind (`deps.hand_over`), so a new payment still costs one read.
+It counts each replay it answers (`payments_replays_total`, answered_by
+shortcut) and logs nothing: a line per replay would cost a good part of
+what the shortcut saves (docs/operations.md#what-watching-costs).
 
 One answer is its own: when its read cannot reach the database, it answers
 503 `service-unavailable` here. It runs outside Starlette's
@@ -50,6 +53,7 @@ from app.api.errors import retry_after_seconds, unavailable_response
 from app.db.errors import database_unavailable
 from app.api.routes import final_response
 from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
+from app.observability import metrics
 from app.payments.models import PaymentRequest
 from app.payments.runner import Finished
 from app.payments.service import fingerprint, stored_response
@@ -93,6 +97,7 @@ class ReplayShortcut:
             await unavailable_response(PATH, exc, retry_after)(scope, receive, send)
             return
         if replay is not None:
+            metrics.REPLAYED_BY_SHORTCUT.inc()
             await final_response(replay, replayed=True)(scope, receive, send)
             return
         await self.app(scope, _replaying(messages, receive), send)

@@ -18,6 +18,7 @@ from app.db.errors import describe
 from app.db.transaction import read
 from app.idempotency import store as keys
 from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
+from app.observability import metrics
 from app.outbox import events
 from app.payments import store as payments
 from app.payments.models import PaymentRequest, PaymentView
@@ -73,6 +74,8 @@ async def create_payment(services: ServicesDep, caller: Caller, body: PaymentReq
     reply = await submit_payment(services, caller.client_id, caller.key, body, row=caller.row)
     outcome = reply.outcome
     if isinstance(outcome, Finished):
+        if reply.replayed:
+            metrics.REPLAYED_BY_ROUTE.inc()
         return final_response(outcome, replayed=reply.replayed)
     payment = outcome.payment
     return Response(

@@ -13,7 +13,7 @@ CLAIM_SQL, ADVANCE_SQL and FINISH_SQL are the canonical text of the first
 step (the "fence") of the single-statement phases: app/payments/sql.py
 writes each statement out whole, and tests/unit/test_phase_sql.py checks
 that every copy of a fence there is this text, word for word. The functions here (load,
-take_over, release, park, unpark, stranded) take a connection from
+take_over, release, park, unpark, stranded, backlog) take a connection from
 `app.db.transaction` (inside a transaction, or as a single statement) and
 never commit; `load_caller`, the read that starts every POST, runs on the
 lookup pool of app/db/engine.py.
@@ -260,6 +260,38 @@ _STRANDED = text(
 )
 
 
+# What the worker reports as its backlog (app/workers/recovery.py): the
+# operations its sweep would take now (the same conditions as _STRANDED), how
+# long the oldest of them has been due, and how many are unfinished or parked
+# in all. Each count reads one of the two partial indexes (their WHERE
+# clauses are repeated exactly), which hold only unfinished rows: cheap
+# however many finished keys the table holds.
+_BACKLOG = text(
+    """
+    SELECT due.n AS due,
+           coalesce(extract(epoch FROM now() - due.oldest), 0)::float8 AS oldest_due_seconds,
+           (SELECT count(*) FROM idempotency_key
+             WHERE state = 'started' AND parked_at IS NULL) AS unfinished,
+           (SELECT count(*) FROM idempotency_key
+             WHERE state = 'started' AND parked_at IS NOT NULL) AS parked
+      FROM (SELECT count(*) AS n, min(next_attempt_at) AS oldest
+              FROM idempotency_key
+             WHERE state = 'started' AND parked_at IS NULL
+               AND next_attempt_at <= now()
+               AND (lease_expires_at IS NULL OR lease_expires_at < now())
+               AND created_at < now() - make_interval(secs => :min_age)) AS due
+    """
+)
+
+
+@dataclass(frozen=True)
+class Backlog:
+    due: int  # what a sweep would take now
+    oldest_due_seconds: float  # how long the oldest of those has waited past its due time
+    unfinished: int  # started, not parked: in flight or due
+    parked: int
+
+
 # The worker's re-probe of a parked operation: claim this round of it by
 # moving `next_attempt_at` on, so that of several workers one asks, and asks
 # again only after `recheck_in` seconds. It writes no timeline entry and no
@@ -365,6 +397,11 @@ async def unpark(conn: AsyncConnection, client_id: int, key: str, lease_seconds:
 async def stranded(conn: AsyncConnection, *, min_age: float, limit: int) -> list[tuple[int, str]]:
     rows = await conn.execute(_STRANDED, dict(min_age=min_age, limit=limit))
     return [(r.client_id, r.key) for r in rows]
+
+
+async def backlog(conn: AsyncConnection, *, min_age: float) -> Backlog:
+    row = (await conn.execute(_BACKLOG, dict(min_age=min_age))).one()
+    return Backlog(row.due, row.oldest_due_seconds, row.unfinished, row.parked)
 
 
 async def _fenced(conn: AsyncConnection, statement, lease: Lease, **params) -> None:

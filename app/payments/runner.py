@@ -24,6 +24,12 @@ reported as failed.
 A parked operation is not forgotten: where the external system answers
 probes, the worker asks it again every `parked_recheck_seconds` (`heal`)
 and drives the payment on once it answers.
+
+What operators see (docs/operations.md): every step rebinds the payment's
+log fields (`_bind`), so each line carries the client, the payment, the
+key's hash, the recovery point, the attempt and the lease token; a finished
+payment is one INFO line and one count by status, and every takeover,
+release and park is counted by recovery point and logged.
 """
 
 from __future__ import annotations
@@ -38,12 +44,13 @@ from app.db.errors import describe, loggable
 from app.db.transaction import atomic, one_statement, read
 from app.idempotency import store as keys
 from app.idempotency.store import LeaseLost
+from app.observability import logs, metrics
 from app.payments import crash_points, phases
 from app.payments import store as payments
 from app.payments.models import Payment
 from app.payments.phases import Operation
 from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED
-from app.rails.outcomes import Applied, CallOutcome, NotApplied, ProbeOutcome, Unknown
+from app.rails.outcomes import Applied, CallOutcome, NotApplied, ProbeOutcome, Unknown, outcome_class
 from app.services import Services
 
 log = logging.getLogger(__name__)
@@ -104,6 +111,8 @@ async def drive(services: Services, op: Operation) -> Finished | Pending:
     given back at once, so that the next actor need not wait for it to run out.
     """
     while op.recovery_point != FINISHED:
+        _bind(op)
+        cause = None  # counted by the outcome's class, unless the step raised
         try:
             result = await _step(services, op)
         except LeaseLost:
@@ -113,18 +122,40 @@ async def drive(services: Services, op: Operation) -> Finished | Pending:
             # Whatever the call did, the recovery point still says it may
             # have been made, so the next attempt probes: handled exactly as
             # an unknown outcome.
-            log.error("driving %r at %s was interrupted\n%s", op.lease.key, op.recovery_point, loggable(exc))
-            result = Unknown(f"interrupted by {type(exc).__name__}")
+            log.error("driving the payment at %s was interrupted\n%s", op.recovery_point, loggable(exc))
+            result, cause = Unknown(f"interrupted by {type(exc).__name__}"), "error"
         except BaseException:
             await asyncio.shield(_release_now(services, op))
             raise
         if isinstance(result, Operation):
             op = result
+            if op.recovery_point == FINISHED:
+                report_finished(op)
             continue
         final = isinstance(result, Unknown) and not _STEPS[op.recovery_point].repeatable(services, op.payment)
-        return await _give_up(services, op, result, final=final)
+        return await _give_up(services, op, result, final=final, cause=cause)
     assert op.response is not None
     return Finished(*op.response)
+
+
+def _bind(op: Operation) -> None:
+    """The payment's fields on every line this task logs from here on (app/observability/logs.py)."""
+    logs.bind(
+        client_id=op.lease.client_id, key_hash=logs.key_hash(op.lease.key), payment_id=str(op.payment.id),
+        recovery_point=op.recovery_point, attempt=op.attempt, lease_token=str(op.lease.token),
+    )
+
+
+def report_finished(op: Operation) -> None:
+    """A payment reached its final status here: counted once, by status, and logged at INFO.
+
+    Called right after the phase that finished it committed (by `drive`, or
+    by reconciliation when a statement settles a payout), so a payment is
+    counted by the one process whose commit finished it.
+    """
+    _bind(op)
+    metrics.child(metrics.FINISHED, op.payment.status).inc()
+    log.info("payment finished: %s", op.payment.status)
 
 
 async def _step(services: Services, op: Operation) -> Operation | NotApplied | Unknown:
@@ -139,26 +170,36 @@ async def _step(services: Services, op: Operation) -> Operation | NotApplied | U
         return outcome
     crash_points.reached(crash_at, f"after-call-{crash_points.CALL_OF[op.recovery_point]}")
     op = await one_statement(services.engine, step.record, op, outcome.record, services.settings.lease_seconds)
+    log.debug("committed %s", op.recovery_point)
     crash_points.reached(crash_at, f"after-commit-{op.recovery_point}")
     return op
 
 
-async def _give_up(services: Services, op: Operation, outcome: NotApplied | Unknown, *, final: bool) -> Pending:
+async def _give_up(
+    services: Services, op: Operation, outcome: NotApplied | Unknown, *, final: bool, cause: str | None = None
+) -> Pending:
     """Release the operation for a later attempt, or park it after the last one.
 
     `final` parks at once: no later attempt could learn more (a legacy rail
     can neither be probed nor safely sent the transfer again). A call that
     was certainly not applied is never final: it is safe to send later.
+    `cause` is what metrics count it by: the outcome's class (unknown,
+    not_applied), or error when a step raised.
     """
     settings = services.settings
+    cause = cause or outcome_class(outcome)
     not_sent = isinstance(outcome, NotApplied)
     if final or op.attempt >= settings.max_attempts:
         payment = await atomic(
             services.engine, phases.park, op, outcome.reason, settings.parked_recheck_seconds, not_sent=not_sent
         )
+        metrics.child(metrics.PARKS, op.recovery_point, cause).inc()
+        log.warning("parked as indeterminate after attempt %s: %s", op.attempt, outcome.reason)
         return Pending(payment, outcome.reason)
     retry_in = backoff_seconds(op.attempt, settings.backoff_base_seconds, settings.backoff_cap_seconds)
     await one_statement(services.engine, phases.release, op, outcome.reason, retry_in, not_sent=not_sent)
+    metrics.child(metrics.RELEASES, op.recovery_point, cause).inc()
+    log.info("released: %s; the worker retries in %.1f s", outcome.reason, retry_in)
     return Pending(op.payment, outcome.reason)
 
 
@@ -169,7 +210,23 @@ async def _release_now(services: Services, op: Operation) -> None:
     except LeaseLost:
         pass  # finished or taken over meanwhile: nothing of ours to release
     except Exception as exc:
-        log.warning("could not release %r (%s); its lease will simply expire", op.lease.key, describe(exc))
+        log.warning("could not release the payment (%s); its lease will simply expire", describe(exc))
+    else:
+        metrics.child(metrics.RELEASES, op.recovery_point, "stopping").inc()
+        log.info("stopping: lease given back")
+
+
+async def take_over(services: Services, client_id: int, key: str) -> Operation | None:
+    """Own an operation whose lease ran out or was released (a client retry, or the worker); None if not ours.
+
+    The one place a takeover is made, counted and logged, whoever makes it.
+    """
+    op = await atomic(services.engine, phases.take_over, client_id, key, services.settings.lease_seconds)
+    if op is not None:
+        _bind(op)
+        metrics.child(metrics.TAKEOVERS, op.recovery_point).inc()
+        log.info("taken over at %s (attempt %s)", op.recovery_point, op.attempt)
+    return op
 
 
 def backoff_seconds(attempt: int, base: float, cap: float) -> float:
@@ -226,10 +283,12 @@ async def heal(services: Services, client_id: int, key: str) -> Finished | Pendi
     None: nothing was learned, or someone else has it.
     """
     settings = services.settings
+    logs.bind(client_id=client_id, key_hash=logs.key_hash(key))
     claimed = await one_statement(services.engine, keys.claim_recheck, client_id, key, settings.parked_recheck_seconds)
     if claimed is None:
         return None
     recovery_point, payment_id = claimed
+    logs.bind(payment_id=str(payment_id), recovery_point=recovery_point)
     payment = await read(services.engine, payments.get, client_id, payment_id)
     step = _STEPS[recovery_point]
     if payment is None or not step.repeatable(services, payment):
@@ -239,5 +298,7 @@ async def heal(services: Services, client_id: int, key: str) -> Finished | Pendi
     op = await atomic(services.engine, phases.unpark, client_id, key, settings.lease_seconds, event="re-probe answered")
     if op is None:
         return None
-    log.info("re-probe of parked %r at %s answered; resuming", key, recovery_point)
+    _bind(op)
+    metrics.child(metrics.UNPARKS, recovery_point, "reprobe").inc()
+    log.info("re-probe of the parked payment at %s answered; resuming", recovery_point)
     return await drive(services, op)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from app.db.transaction import atomic, one_statement, read
+from app.db.transaction import one_statement, read
 from app.idempotency import store as keys
 from app.idempotency.keys import request_fingerprint
 from app.idempotency.store import KeyRow, LeaseLost
@@ -24,7 +24,8 @@ from app.payments import crash_points, phases
 from app.payments import store as payments
 from app.payments.models import PaymentRequest
 from app.payments.phases import Operation
-from app.payments.runner import Finished, Pending, drive
+from app.payments.runner import Finished, Pending, drive, take_over
+from app.observability import logs, metrics
 from app.services import Services
 from app.problems import IDEMPOTENCY_KEY_REUSED, REQUEST_IN_PROGRESS, ProblemError
 
@@ -66,6 +67,9 @@ async def submit_payment(
     """
     settings = services.settings
     request_hash = fingerprint(request)
+    # Every line of this request names the client and the key (hashed);
+    # the runner adds the payment, recovery point, attempt and lease.
+    logs.bind(client_id=client_id, key_hash=logs.key_hash(key))
     if row is None:
         op = await one_statement(
             services.engine,
@@ -77,6 +81,8 @@ async def submit_payment(
             lease_seconds=settings.lease_seconds,
         )
         if op is not None:
+            metrics.STARTED.inc()
+            log.debug("claimed: payment %s created", op.payment.id)
             crash_points.reached(settings.payments_crash_at, f"after-commit-{op.recovery_point}")
             return Reply(await _drive(services, op))
         # A concurrent first attempt claimed the key between our read and our
@@ -89,6 +95,7 @@ async def submit_payment(
 
     # The key exists. Only the stored row decides what happens next.
     if row.endpoint != phases.ENDPOINT or row.request_hash != request_hash:
+        log.info("Idempotency-Key reused with a different request: 422")
         raise ProblemError(
             IDEMPOTENCY_KEY_REUSED,
             f"Idempotency-Key {key!r} was first used for a different request",
@@ -102,12 +109,12 @@ async def submit_payment(
         payment = await read(services.engine, payments.get, client_id, row.payment_id)
         return Reply(Pending(payment, row.last_error or "parked"))
     if row.lease_live:
+        log.debug("in flight elsewhere: 409")
         raise _in_progress(settings.retry_after_seconds)
 
-    op = await atomic(services.engine, phases.take_over, client_id, key, settings.lease_seconds)
+    op = await take_over(services, client_id, key)
     if op is None:
         raise _in_progress(settings.retry_after_seconds)
-    log.info("client %s key %r: took over at %s", client_id, key, op.recovery_point)
     return Reply(await _drive(services, op))
 
 

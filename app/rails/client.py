@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from datetime import date
 from typing import Any, Protocol, TypeVar
 from uuid import UUID
@@ -31,8 +32,9 @@ from uuid import UUID
 import httpx
 from pydantic import ValidationError
 
+from app.observability import metrics
 from app.rails.answers import Answer, Charge, Refund, Statement, Transfer
-from app.rails.outcomes import Applied, CallOutcome, NotApplied, NotFound, ProbeOutcome, Unknown
+from app.rails.outcomes import Applied, CallOutcome, NotApplied, NotFound, ProbeOutcome, Unknown, outcome_class
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,14 @@ class ExternalService:
         self, path: str, key: str, body: dict[str, Any], answer: type[A]
     ) -> tuple[CallOutcome, float | None]:
         """One POST: its outcome, and how long to wait before an inline retry (None: do not)."""
+        started = time.perf_counter()
+        outcome, wait = await self._exchange(path, key, body, answer)
+        self._observe("send", outcome, started)
+        return outcome, wait
+
+    async def _exchange(
+        self, path: str, key: str, body: dict[str, Any], answer: type[A]
+    ) -> tuple[CallOutcome, float | None]:
         try:
             response = await self._http.post(
                 self._base + path, json=body, headers={"Idempotency-Key": key}, timeout=self._timeout
@@ -118,6 +128,12 @@ class ExternalService:
         return Unknown(f"{self.name}: HTTP {response.status_code}"), wait
 
     async def _probe(self, path: str, answer: type[A], params: dict[str, str] | None = None) -> ProbeOutcome:
+        started = time.perf_counter()
+        outcome = await self._ask(path, answer, params)
+        self._observe("probe", outcome, started)
+        return outcome
+
+    async def _ask(self, path: str, answer: type[A], params: dict[str, str] | None) -> ProbeOutcome:
         try:
             response = await self._http.get(self._base + path, params=params, timeout=self._timeout)
         except Exception as exc:  # noqa: BLE001 - a probe that breaks learns nothing
@@ -142,6 +158,14 @@ class ExternalService:
         if not record.id:
             return Unknown(f"{self.name}: answer without an id")
         return Applied(record)
+
+    def _observe(self, call: str, outcome: CallOutcome | ProbeOutcome, started: float) -> None:
+        """One exchange, in the latency histogram by system, call and outcome class (and a DEBUG line)."""
+        seconds = time.perf_counter() - started
+        kind = outcome_class(outcome)
+        metrics.child(metrics.EXTERNAL_CALLS, self.name, call, kind).observe(seconds)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s %s: %s in %.1f ms", self.name, call, kind, seconds * 1000)
 
     def _broken(self, exc: Exception) -> str:
         """A short, classified reason for a broken exchange: no URL, no exception text."""
@@ -236,6 +260,13 @@ class Rail(ExternalService):
 
     async def statement(self, day: date) -> dict[str, Any] | Unknown:
         """The rail's statement of transfers booked on `day` (`final` once the day is closed)."""
+        started = time.perf_counter()
+        statement = await self._statement(day)
+        metrics.child(metrics.EXTERNAL_CALLS, self.name, "statement",
+                      "unknown" if isinstance(statement, Unknown) else "applied").observe(time.perf_counter() - started)
+        return statement
+
+    async def _statement(self, day: date) -> dict[str, Any] | Unknown:
         try:
             response = await self._http.get(f"{self._base}/v1/statements/{day.isoformat()}", timeout=self._timeout)
         except Exception as exc:  # noqa: BLE001

@@ -55,3 +55,11 @@ class Unknown:
 
 CallOutcome = Applied | NotApplied | Unknown
 ProbeOutcome = Applied | NotFound | Unknown
+
+
+def outcome_class(outcome: Applied | NotApplied | NotFound | Unknown) -> str:
+    """The outcome's class as metrics and logs name it: applied, not_applied, not_found or unknown."""
+    return _CLASSES[type(outcome)]
+
+
+_CLASSES = {Applied: "applied", NotApplied: "not_applied", NotFound: "not_found", Unknown: "unknown"}

@@ -14,6 +14,11 @@ Nothing else stops them: a database that is down (at start-up too: the pools
 connect on first use) or restarting makes each loop log one line and back off,
 never exit (app/workers/recovery.py::recovery_loop, reconciliation.py::reconcile_loop,
 webhooks.py::dispatch_loop).
+
+Its metrics (docs/operations.md) are served on WORKER_METRICS_HOST and
+WORKER_METRICS_PORT by a thread of prometheus_client's, from the start: a
+port that is taken refuses start-up (exit 2) rather than leave a worker that
+nobody can watch.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import logging
 import signal
 
 from app.config import Settings
+from app.observability import metrics
 from app.services import open_services
 from app.workers.reconciliation import reconcile_loop
 from app.workers.recovery import recovery_loop
@@ -44,7 +50,19 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         log.info("worker stopped")
 
 
-def main(settings: Settings) -> None:
+def main(settings: Settings) -> bool:
+    """Run until SIGTERM or SIGINT; False if it could not start (its metrics port is taken)."""
+    stop_serving = lambda: None  # noqa: E731
+    if settings.metrics_enabled:
+        metrics.worker()  # registered before the first scrape, so every series is there from the start
+        try:
+            stop_serving = metrics.serve(settings.worker_metrics_host, settings.worker_metrics_port)
+        except OSError as exc:
+            log.error("cannot serve metrics on %s:%s (WORKER_METRICS_PORT): %s",
+                      settings.worker_metrics_host, settings.worker_metrics_port, exc.strerror or exc)
+            return False
+        log.info("metrics on http://%s:%s/metrics", settings.worker_metrics_host, settings.worker_metrics_port)
+
     async def go() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -52,4 +70,8 @@ def main(settings: Settings) -> None:
             loop.add_signal_handler(sig, stop.set)
         await run(settings, stop)
 
-    asyncio.run(go())
+    try:
+        asyncio.run(go())
+    finally:
+        stop_serving()
+    return True

@@ -42,11 +42,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.db.errors import database_unavailable, describe, loggable
 from app.db.transaction import atomic, read
 from app.idempotency.store import LeaseLost
+from app.observability import logs, metrics
 from app.payments import crash_points, phases
 from app.payments import store as payments
 from app.payments.models import Payment
 from app.payments.phases import Operation
-from app.payments.runner import drive
+from app.payments.recovery_points import EXT2_SENT, FINISHED
+from app.payments.runner import drive, report_finished
 from app.rails.answers import Transfer
 from app.rails.outcomes import Unknown
 from app.services import Services
@@ -91,14 +93,17 @@ async def run_window(services: Services, window: date) -> dict[str, Any] | None:
     if run is None:
         return None
     log.info("reconciling %s (attempt %s)", window, run.attempt)
+    runs = metrics.worker().reconciliation_runs
     try:
         counts = await _reconcile(services, run)
     except LeaseLost:
         raise  # another run owns the window now; it records the outcome
     except BaseException as exc:
         await atomic(services.engine, ticks.fail, run, repr(exc)[:500])
+        runs.labels("statement_unavailable" if isinstance(exc, StatementUnavailable) else "failed").inc()
         raise
     await atomic(services.engine, ticks.finish, run, counts)
+    runs.labels("finished").inc()
     log.info("reconciled %s: %s", window, counts)
     return counts
 
@@ -122,36 +127,56 @@ async def _reconcile(services: Services, run: RunLease) -> dict[str, Any]:
     ours = await read(services.engine, payments.by_end_to_end, list(booked))
     breaks = [b for ref, entries in booked.items() if (b := _break_for(ref, entries, ours.get(ref)))]
     if breaks:
-        await atomic(services.engine, _record_breaks, run, breaks, lease_seconds)
+        recorded = await atomic(services.engine, _record_breaks, run, breaks, lease_seconds)
+        for b in recorded:
+            metrics.worker().reconciliation_breaks.labels(b.kind).inc()
+            log.error("reconciliation break %s: %s, payment %s", b.kind, b.end_to_end_reference, b.payment_id or "(none of ours)")
 
     counts: Counter[str] = Counter(entries=sum(len(e) for e in booked.values()), breaks=len(breaks))
     broken = {b.end_to_end_reference for b in breaks}
     for payment, key in parked:
-        ref = payment.end_to_end_reference
-        entries = booked.get(ref, [])
-        if ref in broken:
-            counts["left_for_a_person"] += 1
-            continue
-        if entries:
-            outcome = Transfer(id=entries[0]["transfer_id"], status="accepted")
-        elif all(statements[d]["final"] for d in _booking_days(payment, horizon)):
-            outcome = Transfer(id=None, status="rejected", reject_reason="not_on_statement")
-        else:
-            counts["not_yet_decidable"] += 1
-            continue
-        op = await atomic(
-            services.engine, _settle, run, payment.client_id, key, outcome,
-            run_lease_seconds=lease_seconds, lease_seconds=settings.lease_seconds,
-        )
-        if op is None:
-            continue
-        counts["settled_succeeded" if entries else "settled_refunding"] += 1
-        crash_points.reached(services.settings.payments_crash_at, "reconcile-after-settlement")
-        if not entries:
-            # The refund is an ordinary EXT3 step now; if it cannot finish
-            # here, the recovery worker will, exactly once, by K3.
-            await drive(services, op)
+        # One task, many payments: each one's log fields end with it.
+        with logs.payment_scope():
+            logs.bind(client_id=payment.client_id, key_hash=logs.key_hash(key), payment_id=str(payment.id))
+            await _settle_one(services, run, payment, key, booked.get(payment.end_to_end_reference, []),
+                              broken, statements, counts)
     return dict(counts)
+
+
+async def _settle_one(
+    services: Services, run: RunLease, payment: Payment, key: str, entries: list[dict[str, Any]],
+    broken: set[str], statements: dict[date, dict[str, Any]], counts: Counter[str],
+) -> None:
+    """One parked payout: settled from the statements, left for a person, or left for a later run."""
+    settings = services.settings
+    if payment.end_to_end_reference in broken:
+        counts["left_for_a_person"] += 1
+        return
+    if entries:
+        outcome = Transfer(id=entries[0]["transfer_id"], status="accepted")
+    elif all(statements[d]["final"] for d in _booking_days(payment, settings.reconcile_booking_days)):
+        outcome = Transfer(id=None, status="rejected", reject_reason="not_on_statement")
+    else:
+        counts["not_yet_decidable"] += 1
+        return
+    op = await atomic(
+        services.engine, _settle, run, payment.client_id, key, outcome,
+        run_lease_seconds=settings.reconcile_lease_seconds, lease_seconds=settings.lease_seconds,
+    )
+    if op is None:
+        return
+    settled = "succeeded" if entries else "refunding"
+    counts[f"settled_{settled}"] += 1
+    metrics.child(metrics.UNPARKS, EXT2_SENT, "reconciliation").inc()
+    metrics.worker().reconciliation_settled.labels(settled).inc()
+    log.info("settled from the rail's statement: %s", settled)
+    if op.recovery_point == FINISHED:
+        report_finished(op)
+    crash_points.reached(settings.payments_crash_at, "reconcile-after-settlement")
+    if not entries:
+        # The refund is an ordinary EXT3 step now; if it cannot finish
+        # here, the recovery worker will, exactly once, by K3.
+        await drive(services, op)
 
 
 def _booking_days(payment: Payment, horizon: int) -> list[date]:
@@ -207,14 +232,19 @@ async def _settle(
     return await phases.settle_parked(conn, client_id, key, outcome, lease_seconds=lease_seconds)
 
 
-async def _record_breaks(conn: AsyncConnection, run: RunLease, breaks: list[Break], lease_seconds: float) -> None:
+async def _record_breaks(conn: AsyncConnection, run: RunLease, breaks: list[Break], lease_seconds: float) -> list[Break]:
+    """The breaks recorded now: a break found again by a later run is already there, and not new."""
     await ticks.renew(conn, run, lease_seconds)
+    recorded = []
     for b in breaks:
-        await conn.execute(
+        result = await conn.execute(
             _INSERT_BREAK,
             dict(window_start=run.window_start, kind=b.kind, e2e=b.end_to_end_reference,
                  payment_id=b.payment_id, details=json.dumps(b.details, default=str)),
         )
+        if result.rowcount == 1:
+            recorded.append(b)
+    return recorded
 
 
 async def list_breaks(conn: AsyncConnection) -> list[dict[str, Any]]:

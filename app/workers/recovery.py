@@ -15,20 +15,26 @@ Several workers and API replicas may run at once: the takeover's UPDATE lets
 exactly one of them own an operation, and the fencing check in every phase
 commit stops an owner that stalled past its lease. Nothing here locks rows
 while calling out: a takeover commits at once, like every other phase.
+
+What it reports (docs/operations.md): each sweep and what became of each
+operation it tried, and, at most once per WORKER_POLL_SECONDS, its backlog
+read from the key table (`observe_backlog`): how many operations are due,
+how long the oldest has waited, how many are unfinished and parked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 from app.db.errors import database_unavailable, describe, loggable
-from app.db.transaction import atomic, read
+from app.db.transaction import read
 from app.idempotency import store as keys
 from app.idempotency.store import LeaseLost
-from app.payments import phases
-from app.payments.runner import Finished, drive, heal
+from app.observability import logs, metrics
+from app.payments.runner import Finished, drive, heal, take_over
 from app.services import Services
 from app.workers import outage_backoff, pause
 
@@ -52,10 +58,10 @@ class SweepCounts:
 
 async def recover(services: Services, client_id: int, key: str) -> str:
     """Take over one stranded operation and drive it; what became of it."""
-    op = await atomic(services.engine, phases.take_over, client_id, key, services.settings.lease_seconds)
+    logs.bind(client_id=client_id, key_hash=logs.key_hash(key))
+    op = await take_over(services, client_id, key)
     if op is None:
         return "skipped"  # a retry or another worker got there first
-    log.info("recovering client %s key %r from %s (attempt %s)", client_id, key, op.recovery_point, op.attempt)
     try:
         outcome = await drive(services, op)
     except LeaseLost:
@@ -63,10 +69,10 @@ async def recover(services: Services, client_id: int, key: str) -> str:
     except Exception as exc:
         if database_unavailable(exc):
             # One line: SQLAlchemy's text would carry the statement's parameters.
-            log.warning("recovering %r was cut short, the database is unavailable (%s); it stays resumable",
-                        key, describe(exc))
+            log.warning("recovering the payment was cut short, the database is unavailable (%s); it stays resumable",
+                        describe(exc))
         else:
-            log.error("recovering %r failed; it stays resumable\n%s", key, loggable(exc))
+            log.error("recovering the payment failed; it stays resumable\n%s", loggable(exc))
         return "errors"
     return "finished" if isinstance(outcome, Finished) else "pending"
 
@@ -110,7 +116,7 @@ async def recheck_parked(services: Services) -> int:
             except LeaseLost:
                 return False
             except Exception as exc:
-                log.error("re-probing parked %r failed; it stays parked\n%s", key, loggable(exc))
+                log.error("re-probing the parked payment failed; it stays parked\n%s", loggable(exc))
                 return False
 
     return sum(await asyncio.gather(*(one(client_id, key) for client_id, key in due)))
@@ -120,6 +126,7 @@ async def recovery_loop(services: Services, stop: asyncio.Event) -> None:
     """Sweep until `stop` is set; in-flight recoveries are cancelled, which releases their leases."""
     settings = services.settings
     failures = 0  # sweeps failed in a row
+    observed = 0.0  # when the backlog was last read (monotonic)
     while not stop.is_set():
         sweep = asyncio.create_task(sweep_once(services))
         stopping = asyncio.create_task(stop.wait())
@@ -136,6 +143,7 @@ async def recovery_loop(services: Services, stop: asyncio.Event) -> None:
         except Exception as exc:
             # Before this, one failed read ended the loop, and with it the
             # worker process: a database restart stopped all recovery.
+            metrics.worker().sweeps.labels("failed").inc()
             failures += 1
             wait = outage_backoff(failures, settings.worker_poll_seconds)
             if database_unavailable(exc):
@@ -145,8 +153,35 @@ async def recovery_loop(services: Services, stop: asyncio.Event) -> None:
             await pause(stop, wait)
             continue
         failures = 0
+        _count(counts)
+        if time.monotonic() - observed >= settings.worker_poll_seconds:
+            observed = time.monotonic()
+            await observe_backlog(services)
         if counts.found or counts.healed:
             log.info("sweep: %s", counts)
         if counts.found < settings.worker_concurrency * 4:
             # Nothing more is waiting: rest until the next poll, or stop.
             await pause(stop, settings.worker_poll_seconds)
+
+
+def _count(counts: SweepCounts) -> None:
+    worker = metrics.worker()
+    worker.sweeps.labels("ok").inc()
+    worker.last_sweep.set(time.time())
+    for result in ("finished", "pending", "skipped", "errors", "healed"):
+        if n := getattr(counts, result):
+            worker.recoveries.labels(result).inc(n)
+
+
+async def observe_backlog(services: Services) -> None:
+    """The key table's backlog, as gauges; a failed read leaves them as they were (the sweep says why)."""
+    try:
+        found = await read(services.engine, keys.backlog, min_age=services.settings.worker_min_age_seconds)
+    except Exception as exc:  # noqa: BLE001 - reporting must never stop recovery
+        log.debug("backlog not read: %s", describe(exc))
+        return
+    worker = metrics.worker()
+    worker.backlog.set(found.due)
+    worker.lag.set(found.oldest_due_seconds)
+    worker.unfinished.set(found.unfinished)
+    worker.parked.set(found.parked)

@@ -1,0 +1,82 @@
+"""Request metrics, and /metrics for Prometheus to scrape.
+
+Where it sits on a request's path: `RequestMetrics` is the outermost of our
+middlewares (app/main.py), so it sees every answer, including those given
+before routing: a 413 from the body cap, a replay from the replay shortcut,
+a 503 when the database is away. It times the request and, once the answer
+is sent, records it in one histogram by route, method and status
+(app/observability/metrics.py::HTTP_REQUESTS).
+
+The route label is the route's template (`/v1/payments/{payment_id}`),
+never the path: paths hold payment ids and keys, and one series per
+payment would swamp Prometheus. The router leaves the matched route in the
+request's scope; a request answered before routing (a replay, a 413) is
+labelled with its path only when that path is itself a route with no
+parameters (`/v1/payments`); anything else is `unmatched`.
+
+Not seen here: a request refused by the HTTP protocol itself (408, 431:
+app/api/http_protocol.py), and one refused by uvicorn past
+LIMIT_CONCURRENCY (503), which never reach the application.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi import APIRouter, Response
+
+from app.observability import metrics
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+UNMATCHED = "unmatched"
+# A route without parameters is its own template: a request answered before
+# routing (the replay shortcut, the body cap) is labelled with it.
+_STATIC_ROUTES = frozenset({"/v1/payments", "/healthz", "/metrics", "/openapi.json", "/docs", "/redoc"})
+# The method is the client's to choose: any other is `other`, or a client
+# could make a new series with every request.
+_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+
+router = APIRouter()
+
+
+@router.get("/metrics", include_in_schema=False)
+async def scrape() -> Response:
+    """Every metric of this API, added up over all its worker processes (docs/operations.md)."""
+    return Response(metrics.exposition(), media_type=metrics.CONTENT_TYPE)
+
+
+class RequestMetrics:
+    """ASGI middleware: each HTTP request, timed and counted by route template, method and status."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # if the application raises before answering, the server answers 500
+
+        async def sent(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or (scope["path"] if scope["path"] in _STATIC_ROUTES else UNMATCHED)
+            method = scope["method"] if scope["method"] in _METHODS else "other"
+            metrics.child(metrics.HTTP_REQUESTS, template, method, str(status)).observe(
+                time.perf_counter() - started
+            )

@@ -1,0 +1,270 @@
+"""Every Prometheus metric the service exports, defined once, here.
+
+Where it sits: a leaf below every layer. The API counts requests, problems
+and replays (app/api/metrics.py, app/api/replay_shortcut.py); the runner
+counts new and finished payments, takeovers, releases and parks
+(app/payments/runner.py); the rail clients time every exchange with the PSP
+and the rail (app/rails/client.py); the worker reports its sweeps, its
+backlog and reconciliation (app/workers/). docs/operations.md lists them all,
+with the alerts to set on them; tests/unit/test_operations_doc.py keeps that
+list and this module the same.
+
+Label values are bounded by construction: a route's template (never the
+path, which holds payment ids), a status code, a problem type's slug, a
+recovery point, an outcome class, a system's name. No key, payment id or
+client id is ever a label: each would make one series per payment.
+
+Several processes, one view. `payments api --workers N` runs N processes,
+each counting its own requests; a scrape reaches one of them. So the API
+runs in prometheus_client's multiprocess mode: every process writes its
+values to memory-mapped files in PROMETHEUS_MULTIPROC_DIR, and /metrics adds
+up the files of all of them (`exposition`). The directory is chosen, and
+emptied, by the parent process before any worker starts
+(app/observability/multiproc.py); prometheus_client reads the variable when
+it is first imported, so nothing may import this module earlier. The worker
+(`payments worker`) is one process: it keeps its values in memory and serves
+them on a port of its own (`serve`).
+
+The cost on the hot path is kept small (docs/reference/performance.md): a
+label set used on every request is resolved once (`child`, and the
+precomputed children below), so an increment is one locked write to a
+memory-mapped file, a couple of microseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector,
+    disable_created_metrics, generate_latest, multiprocess, start_http_server,
+)
+
+MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# No `_created` series beside every counter and histogram: a second series
+# per label set that no query here needs (multiprocess mode has none anyway).
+disable_created_metrics()
+
+# The service's own metrics, and nothing else: the list docs/operations.md
+# must match. (The worker serves the standard process metrics beside them.)
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+# Request latencies: a replay takes a few milliseconds, a new payment a few
+# hundred, a payment whose PSP hangs up to the call timeout (5 s by default).
+_HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# An external call: milliseconds on a good day, the timeout on a bad one.
+_CALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+# --- The payment path: the API, and whoever drives a payment (API or worker) ---
+
+# One histogram serves as the request counter too: its `_count` series, by
+# route, method and status, is the number of requests, so a request costs
+# one observation instead of an observation and an increment.
+HTTP_REQUESTS = Histogram(
+    "payments_http_request_duration_seconds",
+    "HTTP requests answered, by route template, method and status code, and how long each took.",
+    ["route", "method", "status"], buckets=_HTTP_BUCKETS, registry=REGISTRY,
+)
+PROBLEMS = Counter(
+    "payments_problems",
+    "problem+json answers, by problem type (request-in-progress and duplicate-payment are the 409s, "
+    "idempotency-key-reused the 422s, service-unavailable the 503s).",
+    ["problem"], registry=REGISTRY,
+)
+REPLAYS = Counter(
+    "payments_replays",
+    "Retries of finished payments answered with the stored response, by what answered them.",
+    ["answered_by"], registry=REGISTRY,
+)
+STARTED = Counter(
+    "payments_started",
+    "New payments: an Idempotency-Key claimed and its payment created (Handler1 committed).",
+    registry=REGISTRY,
+)
+FINISHED = Counter(
+    "payments_finished",
+    "Payments that reached a final status, counted once, by the process whose phase finished them.",
+    ["status"], registry=REGISTRY,
+)
+TAKEOVERS = Counter(
+    "payments_takeovers",
+    "Operations taken over after their lease ran out or was released (by a client retry or the worker), "
+    "by the recovery point they resumed from.",
+    ["recovery_point"], registry=REGISTRY,
+)
+RELEASES = Counter(
+    "payments_releases",
+    "Operations given back at a SENT point without an applied answer, for a later attempt, by recovery point "
+    "and cause (unknown, not_applied, error, stopping).",
+    ["recovery_point", "cause"], registry=REGISTRY,
+)
+PARKS = Counter(
+    "payments_parks",
+    "Operations parked as indeterminate (attempts exhausted, or a legacy payout unknown), by recovery point "
+    "and cause.",
+    ["recovery_point", "cause"], registry=REGISTRY,
+)
+UNPARKS = Counter(
+    "payments_unparks",
+    "Parked operations taken back by someone who learned their outcome, by recovery point and by what "
+    "(reprobe, reconciliation).",
+    ["recovery_point", "by"], registry=REGISTRY,
+)
+EXTERNAL_CALLS = Histogram(
+    "payments_external_call_duration_seconds",
+    "Exchanges with the PSP and the rail: how long each took, by system (psp, rail), call (send, probe, "
+    "statement) and outcome class (applied, not_applied, not_found, unknown).",
+    ["system", "call", "outcome"], buckets=_CALL_BUCKETS, registry=REGISTRY,
+)
+
+# The children used on every request or payment, resolved once.
+REPLAYED_BY_SHORTCUT = REPLAYS.labels("shortcut")
+REPLAYED_BY_ROUTE = REPLAYS.labels("route")
+
+_children: dict[tuple[object, tuple[str, ...]], object] = {}
+
+
+def child(metric, *labels: str):
+    """`metric.labels(*labels)`, resolved once per label set (no lock, no tuple of strings rebuilt)."""
+    found = _children.get((metric, labels))
+    if found is None:
+        found = _children[(metric, labels)] = metric.labels(*labels)
+    return found
+
+
+# --- The worker's own ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerMetrics:
+    sweeps: Counter
+    recoveries: Counter
+    last_sweep: Gauge
+    backlog: Gauge
+    lag: Gauge
+    unfinished: Gauge
+    parked: Gauge
+    reconciliation_runs: Counter
+    reconciliation_breaks: Counter
+    reconciliation_settled: Counter
+
+
+@functools.cache
+def worker() -> WorkerMetrics:
+    """The worker's metrics, registered on first use: in the worker process only.
+
+    Created lazily so an API process, which never sweeps, exports none of
+    them: a `payments_worker_last_sweep_timestamp_seconds` of 0 from every
+    API replica would fire the "worker stopped sweeping" alert.
+    """
+    made = WorkerMetrics(
+        sweeps=Counter(
+            "payments_worker_sweeps", "Recovery sweeps, by result (ok, failed: the database was unavailable or a bug).",
+            ["result"], registry=REGISTRY,
+        ),
+        recoveries=Counter(
+            "payments_worker_recoveries",
+            "Stranded operations the sweep tried, by what became of each (finished, pending, skipped, errors), "
+            "and parked ones driven on after a re-probe answered (healed).",
+            ["result"], registry=REGISTRY,
+        ),
+        last_sweep=Gauge(
+            "payments_worker_last_sweep_timestamp_seconds", "When the last sweep that completed ended (Unix time).",
+            registry=REGISTRY,
+        ),
+        backlog=Gauge(
+            "payments_worker_backlog",
+            "Operations due for the recovery sweep now: unfinished, not parked, no live owner, due, and older "
+            "than WORKER_MIN_AGE_SECONDS.",
+            registry=REGISTRY,
+        ),
+        lag=Gauge(
+            "payments_worker_lag_seconds",
+            "How long the oldest operation in the backlog has been due (0 when the backlog is empty).",
+            registry=REGISTRY,
+        ),
+        unfinished=Gauge(
+            "payments_unfinished_operations", "Operations started and not finished, not parked (in flight or due).",
+            registry=REGISTRY,
+        ),
+        parked=Gauge(
+            "payments_parked_operations",
+            "Operations parked as indeterminate now: re-probed every PARKED_RECHECK_SECONDS, or waiting for "
+            "reconciliation.",
+            registry=REGISTRY,
+        ),
+        reconciliation_runs=Counter(
+            "payments_reconciliation_runs",
+            "Reconciliation runs of a statement window, by result (finished, failed, statement_unavailable).",
+            ["result"], registry=REGISTRY,
+        ),
+        reconciliation_breaks=Counter(
+            "payments_reconciliation_breaks",
+            "Reconciliation breaks recorded (each once), by kind: what a person must look at.",
+            ["kind"], registry=REGISTRY,
+        ),
+        reconciliation_settled=Counter(
+            "payments_reconciliation_settled",
+            "Parked payouts settled from the rail's statements, by outcome (succeeded, refunding).",
+            ["outcome"], registry=REGISTRY,
+        ),
+    )
+    # Every series of a known label value exists from the first scrape, at 0,
+    # so that rate() and increase() see the first event.
+    for counter, values in (
+        (made.sweeps, ("ok", "failed")),
+        (made.recoveries, ("finished", "pending", "skipped", "errors", "healed")),
+        (made.reconciliation_runs, ("finished", "failed", "statement_unavailable")),
+        (made.reconciliation_settled, ("succeeded", "refunding")),
+    ):
+        for value in values:
+            counter.labels(value)
+    return made
+
+
+# --- Exposition --------------------------------------------------------------------
+
+
+def exposition() -> bytes:
+    """The text a scrape of /metrics gets: every API process's values, added up, in multiprocess mode."""
+    if os.environ.get(MULTIPROC_DIR):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
+    return generate_latest(REGISTRY)
+
+
+def process_exiting() -> None:
+    """An API process is stopping: drop its live gauges' files (counters and histograms stay, as they must).
+
+    The service defines no live gauge today; this keeps one added later from
+    reporting a dead process's value.
+    """
+    if os.environ.get(MULTIPROC_DIR):
+        multiprocess.mark_process_dead(os.getpid())
+
+
+def serve(host: str, port: int) -> Callable[[], None]:
+    """The worker's /metrics on `host:port` (a thread of its own); returns how to stop it.
+
+    Serves this process's metrics and the standard process ones (CPU, memory,
+    open files). OSError if the port is taken.
+    """
+    served = CollectorRegistry()
+    served.register(REGISTRY)  # type: ignore[arg-type]  (a registry is a collector)
+    ProcessCollector(registry=served)
+    PlatformCollector(registry=served)
+    server, thread = start_http_server(port, addr=host, registry=served)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+    return stop

@@ -1,0 +1,48 @@
+"""The directory where `payments api`'s processes keep their metrics (PROMETHEUS_MULTIPROC_DIR).
+
+Run by the parent process of `payments api` (app/cli.py), before uvicorn
+starts a worker and before anything imports prometheus_client: the library
+decides at its first import whether values live in memory or in files, by
+this variable, and each worker inherits it.
+
+The directory must start empty: a file left by an earlier run holds that
+run's counts under a process id, and /metrics would add them to this run's.
+Given PROMETHEUS_MULTIPROC_DIR, its files are deleted at start-up (so it
+must belong to this one `payments api`: two sharing one would empty each
+other's); without it, a fresh temporary directory is made, and removed when
+`payments api` exits.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def prepare() -> tuple[Path, bool]:
+    """The directory, empty, and exported to this process and its children; and whether we made it."""
+    # Imported already, prometheus_client has chosen in-memory values for
+    # this process, and /metrics would show nothing it counted.
+    assert "prometheus_client" not in sys.modules, "prepare the metrics directory before importing prometheus_client"
+    given = os.environ.get(MULTIPROC_DIR)
+    if given:
+        path = Path(given)
+        path.mkdir(parents=True, exist_ok=True)
+        for stale in path.glob("*.db"):
+            stale.unlink()
+        made = False
+    else:
+        path = Path(tempfile.mkdtemp(prefix="payments-metrics-"))
+        made = True
+    os.environ[MULTIPROC_DIR] = str(path)
+    return path, made
+
+
+def remove(path: Path) -> None:
+    """Remove a directory `prepare` made (at exit of the parent)."""
+    shutil.rmtree(path, ignore_errors=True)
