@@ -333,7 +333,8 @@ def prepare(server_system: System, keep: bool, clients: int, retention: float) -
 def main(
     rows: str = typer.Option(DEFAULT_ROWS, help="Preloaded payments (and keys), comma-separated, ascending."),
     seconds: float = typer.Option(20.0, min=1, help="Seconds of each measured run of new payments."),
-    replay_seconds: float = typer.Option(10.0, min=1, help="Seconds of each measured run of replays."),
+    replay_seconds: float = typer.Option(None, min=1, help="Seconds of each measured run of replays "
+                                                           "(default: --seconds, at most 10)."),
     warmup: float = typer.Option(2.0, min=0, help="Seconds of warm-up before each measured run (not counted)."),
     rounds: int = typer.Option(3, min=1, help="Rounds per size, each driving both databases, alternating."),
     concurrency: int = typer.Option(32, min=1, help="Concurrent clients."),
@@ -344,6 +345,7 @@ def main(
     keep: bool = typer.Option(False, "--keep", help="Keep the bench's databases afterwards (they are large)."),
 ) -> None:
     """The API on an empty key table vs one preloaded to each size, side by side; then a day dropped vs DELETEd."""
+    replay_seconds = replay_seconds or min(seconds, 10.0)
     try:
         sizes = layout.parse_sizes(rows)
     except ValueError as exc:
