@@ -230,8 +230,9 @@ def print_setup(results: dict[str, Any]) -> None:
     table.add_row("PostgreSQL", f"{m['postgresql']} ({p['server']}; {settings})")
     table.add_row("preload", "; ".join(f"{s['rows']:,} rows in {s['seconds']:.0f} s, VACUUM ANALYZE "
                                        f"{s['vacuum_seconds']:.0f} s" for s in results["preloads"]))
+    rounds = f"{p['rounds']} round{'s' if p['rounds'] > 1 else ''}"
     table.add_row("runs", f"{p['concurrency']} clients, `payments api --workers {p['workers']}` on each database; "
-                          f"per size {p['rounds']} rounds × (new payments {p['seconds']:g} s, replays "
+                          f"per size {rounds} × (new payments {p['seconds']:g} s, replays "
                           f"{p['replay_seconds']:g} s), each after a {p['warmup_s']:g} s warm-up; "
                           f"retention {p['retention_hours']:g} h; {results.get('wall_clock_s', 0):.0f} s in all")
     console.print(table)
