@@ -41,6 +41,7 @@ import random
 import shutil
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -99,9 +100,10 @@ def retention_hours() -> float:
 
 
 class Growth:
-    def __init__(self, params: Params, server_url: str, dbs: dict[str, Database], rails_url: str,
-                 apis: dict[str, Service]) -> None:
-        self.p, self.server_url, self.dbs, self.rails_url, self.apis = params, server_url, dbs, rails_url, apis
+    """The measured part of one run: the preloads, the API runs at each size, the removal of a day."""
+
+    def __init__(self, params: Params, dbs: dict[str, Database], rails_url: str, apis: dict[str, Service]) -> None:
+        self.p, self.dbs, self.rails_url, self.apis = params, dbs, rails_url, apis
         self.runs: list[dict[str, Any]] = []
         self.checks: list[Check] = []
         self.preloads: list[dict[str, Any]] = []
@@ -189,8 +191,10 @@ class Growth:
             for load in loads.values():
                 await load.__aexit__(None, None, None)
 
-    async def run(self, size: int, key_rows: int, round_: int, kind: str, db: str, drive: Any, seconds: float,
-                  check: Any) -> RunResult:
+    async def run(self, size: int, key_rows: int, round_: int, kind: str, db: str,
+                  drive: Callable[[float], Awaitable[RunResult]], seconds: float,
+                  check: Callable[[RunResult], Awaitable[list[Check]]]) -> RunResult:
+        """Warm-up, the measured run, its checks; recorded, and one line printed."""
         label = f"[{size:,}] round {round_} {kind}, {db}"
         with console.status(f"{label}: warm-up {self.p.warmup:g} s"):
             await drive(self.p.warmup)
@@ -364,7 +368,7 @@ def main(
             apis = {db: api_on(dbs[db].url, psp, rail, workers, f"growth API ({db})", params.retention_hours)
                     for db in (EMPTY, GROWN)}
             with running([psp, rail, *apis.values()]), asyncio.Runner(loop_factory=loop_factory) as runner:
-                measured = runner.run(Growth(params, server.url, dbs, rails_url, apis)())
+                measured = runner.run(Growth(params, dbs, rails_url, apis)())
             if keep:
                 console.print(f"kept: {', '.join(d.url for d in dbs.values())}, {rails_url}")
     except KeyboardInterrupt:
