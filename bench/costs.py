@@ -148,9 +148,12 @@ class Wal:
             names = dict(
                 await conn.fetch(
                     """
-                    SELECT c.oid, CASE WHEN n.nspname = 'public' THEN c.relname
-                                       ELSE n.nspname || '.' || c.relname END
-                      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                    -- A partition (the key table has one per day) counts as its table.
+                    SELECT c.oid, CASE WHEN n.nspname = 'public' THEN r.relname
+                                       ELSE n.nspname || '.' || r.relname END
+                      FROM pg_class c
+                      JOIN pg_class r ON r.oid = coalesce(pg_partition_root(c.oid), c.oid)
+                      JOIN pg_namespace n ON n.oid = r.relnamespace
                     """
                 )
             )

@@ -15,11 +15,11 @@ docs/reference/client.md has the whole story and the demos that exercise it.
 
 from payments_client.buggy import buggy_pay
 from payments_client.client import (
-    Event, PaymentsClient, PaymentsError, ProblemError, RetriesExhausted, StillProcessing,
+    RETRY_WINDOW_HOURS, Event, PaymentsClient, PaymentsError, ProblemError, RetriesExhausted, StillProcessing,
 )
 from payments_client.store import OperationStore
 
 __all__ = [
-    "Event", "OperationStore", "PaymentsClient", "PaymentsError", "ProblemError", "RetriesExhausted",
+    "RETRY_WINDOW_HOURS", "Event", "OperationStore", "PaymentsClient", "PaymentsError", "ProblemError", "RetriesExhausted",
     "StillProcessing", "buggy_pay",
 ]

@@ -45,6 +45,12 @@ import httpx
 from payments_client.store import OperationStore
 
 FINAL = {"succeeded", "declined", "failed", "indeterminate"}
+# How long after its first attempt an operation may still be resumed with its
+# stored key (pay() again). The service keeps a key at least this long
+# (KEY_RETENTION_HOURS refuses less); after the key is gone, the same key is a
+# new request, and the service answers 409 duplicate-payment for an order it
+# already paid: look the payment up by the `payment_id` it names instead.
+RETRY_WINDOW_HOURS = 24
 
 
 @dataclass(frozen=True)

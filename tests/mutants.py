@@ -76,6 +76,8 @@ class Mutant:
 CRASH = "tests/crash/test_crash_matrix.py::"
 API = "tests/integration/test_payments_api.py::"
 PHASES = "tests/integration/test_phases.py::"
+KEYS = "tests/integration/test_key_table.py::"
+MIGRATION_0006 = "migrations/versions/0006_key_table_partitions.py"
 
 MUTANTS = (
     Mutant(
@@ -238,6 +240,37 @@ MUTANTS = (
             PHASES + "test_handler1_for_a_taken_reference_leaves_no_key_row",
         ),
     ),
+    Mutant(
+        "claim-lock",
+        "two claims of one key are serialised, so one waits for the other even across midnight",
+        (
+            Edit(
+                MIGRATION_0006,
+                "            PERFORM pg_advisory_xact_lock(hashtextextended(p_client_id::text || '/' || p_key, 0));\n",
+                "            -- MUTANT: no lock: concurrent claims look before either commits\n",
+            ),
+        ),
+        (
+            KEYS + "test_concurrent_posts_of_one_key_straddling_midnight_make_one_key_one_payment_one_charge",
+            KEYS + "test_a_claim_held_open_across_midnight_makes_a_second_claim_of_its_key_wait_and_find_it",
+        ),
+    ),
+    Mutant(
+        "claim-look",
+        "a claim looks for its key in every day's partition before it inserts one for today",
+        (
+            Edit(
+                MIGRATION_0006,
+                "            PERFORM 1 FROM idempotency_key WHERE client_id = p_client_id AND key = p_key;\n"
+                "            IF FOUND THEN\n                RETURN NULL;\n            END IF;\n",
+                "            -- MUTANT: no look: only today's partition's primary key is checked\n",
+            ),
+        ),
+        (
+            KEYS + "test_a_retry_just_after_midnight_finds_yesterdays_key_and_claims_no_second_one",
+            KEYS + "test_a_claim_held_open_across_midnight_makes_a_second_claim_of_its_key_wait_and_find_it",
+        ),
+    ),
 )
 
 
@@ -303,14 +336,20 @@ def module_of(path: str) -> str:
 def check_visible(mutant: Mutant, tree: Path, env: dict[str, str]) -> str | None:
     """None if a fresh subprocess (as `payments` would be) imports every mutated module from the copy."""
     for edit in mutant.edits:
+        # A migration is not imported by name: Alembic reads it from the
+        # directory beside the alembic.ini that app/cli.py::migrate_database
+        # finds next to itself, so app.cli must come from the copy.
+        migration = edit.path.startswith("migrations/")
+        module, expected = ("app.cli", tree / "app/cli.py") if migration else (module_of(edit.path), tree / edit.path)
         # Run from / so that only PYTHONPATH, not the current directory, can find the copy.
         imported = subprocess.run(
-            [sys.executable, "-c", f"import {module_of(edit.path)} as m; print(m.__file__)"],
+            [sys.executable, "-c", f"import {module} as m; print(m.__file__)"],
             cwd="/", env=env, capture_output=True, text=True,
         )
         found = Path(imported.stdout.strip() or "?")
-        if imported.returncode != 0 or found != tree / edit.path:
-            return f"{module_of(edit.path)} came from {found} ({imported.stderr.strip()[-300:]})"
+        if imported.returncode != 0 or found != expected:
+            return f"{module} came from {found} ({imported.stderr.strip()[-300:]})"
+        found = tree / edit.path
         if edit.replace and edit.replace not in found.read_text():
             return f"{found} does not hold the mutation"
     return None

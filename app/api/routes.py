@@ -65,6 +65,7 @@ def _example(slug: str) -> dict[str, Any]:
         409: _problem_doc("request-in-progress", "duplicate-payment"),
         413: _problem_doc("payload-too-large"),
         422: _problem_doc("idempotency-key-reused"),
+        503: _problem_doc("service-unavailable", "key-table-unavailable"),
     },
 )
 async def create_payment(services: ServicesDep, caller: Caller, body: PaymentRequest) -> Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from datetime import timedelta
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -128,5 +129,71 @@ async def test_0005_keeps_every_key_row_caps_stored_responses_and_indexes_paymen
             await conn.execute(
                 "UPDATE idempotency_key SET response_body = $1 WHERE key = 'k'", "x" * 4097
             )
+    finally:
+        await conn.close()
+
+
+async def test_0006_partitions_the_key_table_keeping_every_row_and_answer_in_place(scratch):
+    await migrate(scratch, "0005")
+    conn = await asyncpg.connect(scratch)
+    try:
+        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
+        now = await conn.fetchval("SELECT now()")
+        for state, status in (("finished", "succeeded"), ("started", "processing"), ("parked", "indeterminate")):
+            payment_id = uuid.uuid4()
+            await insert_payment(conn, payment_id, client, f"order-{state}", status)
+            await conn.execute(
+                "INSERT INTO idempotency_key (client_id, key, endpoint, request_hash, state, recovery_point, "
+                "payment_id, lease_token, lease_expires_at, parked_at, response_code, response_body, finished_at) "
+                "VALUES ($1, $2, 'POST /v1/payments', 'x', $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                client, f"key-{state}", "finished" if state == "finished" else "started",
+                "finished" if state == "finished" else "EXT2_SENT", payment_id,
+                uuid.uuid4() if state == "started" else None,
+                now + timedelta(seconds=30) if state == "started" else None,
+                now if state == "parked" else None,
+                201 if state == "finished" else None,
+                '{"id": "the stored answer"}' if state == "finished" else None,
+                now if state == "finished" else None,
+            )
+        before = await conn.fetch("SELECT * FROM idempotency_key ORDER BY key")
+        day = await conn.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date")
+    finally:
+        await conn.close()
+
+    await migrate(scratch, "head")
+
+    conn = await asyncpg.connect(scratch)
+    try:
+        after = await conn.fetch("SELECT tableoid::regclass::text AS partition, * FROM idempotency_key ORDER BY key")
+        assert [dict(r) for r in before] == [
+            {k: v for k, v in dict(r).items() if k not in ("partition", "stored_on")} for r in after
+        ], "every row, every column and every stored answer kept"
+        assert {(r["partition"], r["stored_on"]) for r in after} == {("idempotency_key_legacy", day)}
+        assert await conn.fetchval("SELECT relkind::text FROM pg_class WHERE oid = 'idempotency_key'::regclass") == "p"
+        bounds = await conn.fetch(
+            "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) AS bound FROM pg_inherits i "
+            "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'idempotency_key'::regclass AND c.relkind = 'r'"
+        )
+        names = {r["relname"] for r in bounds}
+        assert names == {"idempotency_key_legacy"} | {
+            f"idempotency_key_p{day + timedelta(days=n):%Y%m%d}" for n in range(1, 8)
+        }, "the day of the migration in the legacy partition, the next seven days ahead"
+        # The old table's indexes were adopted, not rebuilt beside new ones.
+        legacy_indexes = await conn.fetch(
+            "SELECT indexrelid::regclass::text AS name FROM pg_index WHERE indrelid = 'idempotency_key_legacy'::regclass"
+        )
+        assert sorted(r["name"] for r in legacy_indexes) == [
+            "idempotency_key_legacy_parked", "idempotency_key_legacy_payment_id",
+            "idempotency_key_legacy_pkey", "idempotency_key_legacy_unfinished",
+        ]
+        # A claim finds every existing key (no second row), and claims a new one.
+        for key in ("key-finished", "key-started", "key-parked"):
+            assert await conn.fetchval(
+                "SELECT claim_idempotency_key($1, $2, 'POST /v1/payments', 'x', 'EXT1_SENT', NULL, 30)", client, key
+            ) is None
+        assert await conn.fetchval(
+            "SELECT claim_idempotency_key($1, 'key-new', 'POST /v1/payments', 'x', 'EXT1_SENT', NULL, 30)", client
+        ) is not None
+        assert await conn.fetchval("SELECT count(*) FROM idempotency_key") == 4
     finally:
         await conn.close()
