@@ -57,8 +57,8 @@ bench: $(STAMP)
 
 # The API on an empty key table vs one preloaded to each size, side by side,
 # then one day dropped by the reaper vs the same rows DELETEd
-# (docs/reference/performance.md#the-key-table-at-10-million). The default takes
-# 45+ minutes and about 25 GB of disk; a short one:
+# (docs/reference/performance.md#the-key-table-at-10-million). The default took
+# 50 minutes and 20 GB of disk on a busy 2-CPU machine; a short one (3 minutes):
 #   make bench-growth ROWS=20000,100000 SECONDS=5 ROUNDS=1 DAY_ROWS=20000
 # SECONDS is shared with `make soak` (default 60 there): here it defaults to 20.
 # KEEP=1 keeps the bench's databases afterwards (they are dropped otherwise).
