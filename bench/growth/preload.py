@@ -48,7 +48,6 @@ import hashlib
 import json
 import re
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -372,6 +371,3 @@ async def vacuum_analyze(conn: asyncpg.Connection) -> float:
     await conn.execute("CHECKPOINT")
     return time.monotonic() - started
 
-
-def new_client_names(count: int) -> list[str]:
-    return [f"growth-{n}-{uuid.uuid4().hex[:6]}" for n in range(count)]
