@@ -10,7 +10,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run cluster soak test mutants bench screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-webhooks
+.PHONY: install run cluster soak test mutants bench bench-growth screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-webhooks
 
 install: $(STAMP)
 
@@ -59,6 +59,21 @@ bench: $(STAMP)
 # with the distribution's headless Chromium (apt-get install chromium chromium-driver).
 screenshots: $(STAMP)
 	$(BIN)/python -m devtools.screenshots
+
+# The API on an empty key table vs one preloaded to each size, side by side,
+# then one day dropped by the reaper vs the same rows DELETEd
+# (docs/reference/performance.md#the-key-table-at-10-million). The default took
+# 50 minutes and 20 GB of disk on a busy 2-CPU machine; a short one (3 minutes):
+#   make bench-growth ROWS=20000,100000 SECONDS=5 ROUNDS=1 DAY_ROWS=20000
+# SECONDS is shared with `make soak` (default 60 there): here it defaults to 20.
+# KEEP=1 keeps the bench's databases afterwards (they are dropped otherwise).
+ROWS     ?= 1000000,10000000
+ROUNDS   ?= 3
+DAY_ROWS ?= 1000000
+GROWTH_SECONDS = $(if $(filter command line environment,$(origin SECONDS)),$(SECONDS),20)
+bench-growth: $(STAMP)
+	$(BIN)/python -m bench.growth --rows $(ROWS) --seconds $(GROWTH_SECONDS) --rounds $(ROUNDS) --day-rows $(DAY_ROWS) \
+	  $(if $(KEEP),--keep)
 
 # Kill-between-phases demos (docs/reference/client.md): real processes on free ports, in a
 # database of their own (payments_demo), so they run alongside `make run`.

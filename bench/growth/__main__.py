@@ -1,0 +1,5 @@
+"""`python -m bench.growth`: see bench/growth/run.py."""
+
+from bench.growth.run import cli
+
+cli()
