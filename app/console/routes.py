@@ -6,10 +6,9 @@
                                  the rail's records for it
     /console/parked              the parked (indeterminate) queue, and the backlog
     /console/reconciliation      reconciliation runs and breaks
+    /console/webhooks            webhook deliveries by state: dead (for a
+                                 person), pending, delivered, cancelled
     /console/login, /logout      the operator token, once, for a cookie
-
-Webhook deliveries get a page here once the outbox that makes them exists;
-the console shows only what exists.
 
 Every page first reads what it needs (app/readmodel, one SELECT each, the
 connection back in the pool when it returns); only the operation page then
@@ -227,12 +226,13 @@ async def operation(request: Request, payment_id: str, services: Services = Oper
         return page(request, "not_found.html", {"nav": "operations", "what": f"payment {payment_id}"}, 404)
     # The reads are done and their connection is back in the pool: only now the PSP and the rail.
     deduplicates = services.rail.deduplicates(_IbanOnly(found.payment.get("beneficiary_iban", "")))
+    events = await read(services.engine, queries.payment_events, pid)
     held = await records.records(services.psp, services.rail, found.payment, rail_deduplicates=deduplicates)
     diagram = timeline.layout(found.timeline, found.payment, finished=found.row.state == "finished",
                               lease_live=found.row.lease_live)
     return page(request, "operation.html", {
         "nav": "operations", "op": found, "p": found.payment, "records": held, "diagram": diagram,
-        "legacy": not deduplicates,
+        "legacy": not deduplicates, "events": events,
     })
 
 
@@ -255,6 +255,19 @@ async def reconciliation(request: Request, services: Services = Operator) -> Res
     runs = await read(services.engine, queries.runs)
     breaks = await read(services.engine, queries.breaks)
     return page(request, "reconciliation.html", {"nav": "reconciliation", "runs": runs, "breaks": breaks})
+
+
+@router.get("/webhooks")
+async def webhooks(request: Request, state: str = "dead", services: Services = Operator) -> Response:
+    if state not in queries.DELIVERY_STATES:
+        state = "dead"
+    limit = 100
+    rows = await read(services.engine, queries.deliveries, state, limit=limit)
+    undelivered = await read(services.engine, queries.undelivered)
+    return page(request, "webhooks.html", {
+        "nav": "webhooks", "rows": rows, "state": state, "states": queries.DELIVERY_STATES,
+        "undelivered": undelivered, "limit": limit,
+    })
 
 
 def install(app: FastAPI) -> None:

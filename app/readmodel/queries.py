@@ -305,3 +305,73 @@ async def runs(conn: AsyncConnection, *, limit: int = 60) -> list[dict[str, Any]
 async def breaks(conn: AsyncConnection, *, limit: int = 200) -> list[dict[str, Any]]:
     """Reconciliation breaks, newest first: what a person must settle."""
     return [dict(r) for r in (await conn.execute(_BREAKS, dict(limit=limit))).mappings().all()]
+
+
+# Webhook deliveries, one state at a time. Pending ones soonest due first
+# (the partial index `webhook_delivery_due`), the others newest event first
+# (the primary key, time-ordered, read backwards): a bounded page either way,
+# however many deliveries the table holds.
+_DELIVERIES = {
+    state: text(
+        f"""
+        SELECT d.event_id, d.client_id, c.name AS client_name, e.type, e.payment_id, d.state, d.attempts,
+               d.next_attempt_at, d.last_status, d.last_error, d.delivered_at, d.created_at,
+               coalesce(d.lease_expires_at > now(), false) AS in_flight
+          FROM webhook_delivery d
+          JOIN event e ON e.id = d.event_id
+          JOIN client c ON c.id = d.client_id
+         WHERE d.state = '{state}'
+         ORDER BY {order}
+         LIMIT :limit
+        """
+    )
+    for state, order in (
+        ("dead", "d.event_id DESC"),
+        ("pending", "d.next_attempt_at, d.event_id"),
+        ("delivered", "d.event_id DESC"),
+        ("cancelled", "d.event_id DESC"),
+    )
+}
+DELIVERY_STATES = tuple(_DELIVERIES)
+# What needs a person (dead) or the dispatcher (pending): counted whole.
+_UNDELIVERED = text(
+    """
+    SELECT count(*) FILTER (WHERE state = 'dead') AS dead, count(*) FILTER (WHERE state = 'pending') AS pending,
+           count(*) FILTER (WHERE state = 'pending' AND next_attempt_at <= now()
+                              AND coalesce(lease_expires_at < now(), true)) AS due
+      FROM webhook_delivery
+     WHERE state IN ('dead', 'pending')
+    """
+)
+
+
+async def deliveries(conn: AsyncConnection, state: str, *, limit: int = 100) -> list[dict[str, Any]]:
+    """Webhook deliveries in `state` (one of DELIVERY_STATES), a bounded page."""
+    return [dict(r) for r in (await conn.execute(_DELIVERIES[state], dict(limit=limit))).mappings().all()]
+
+
+async def undelivered(conn: AsyncConnection) -> dict[str, int]:
+    """How many deliveries are dead (for a person), pending, and due for the dispatcher now."""
+    return dict((await conn.execute(_UNDELIVERED)).mappings().one())
+
+# One payment's events, each with its delivery (if its client had an
+# endpoint) and every attempt made to deliver it, oldest first.
+_PAYMENT_EVENTS = text(
+    """
+    SELECT e.id, e.type, e.created_at, d.state, d.attempts, d.last_status, d.last_error, d.delivered_at,
+           coalesce((SELECT jsonb_agg(jsonb_build_object(
+                        'attempt', a.attempt, 'started_at', a.started_at, 'outcome', a.outcome,
+                        'status_code', a.status_code, 'latency_ms', a.latency_ms, 'error_class', a.error_class)
+                        ORDER BY a.attempt)
+                       FROM webhook_attempt a WHERE a.event_id = e.id), '[]') AS attempt_log
+      FROM event e
+      LEFT JOIN webhook_delivery d ON d.event_id = e.id
+     WHERE e.payment_id = :payment_id
+     ORDER BY e.id
+    """
+)
+
+
+async def payment_events(conn: AsyncConnection, payment_id: uuid.UUID) -> list[dict[str, Any]]:
+    """The events a payment's decisions wrote, with their webhook deliveries and attempts."""
+    return [dict(r) for r in (await conn.execute(_PAYMENT_EVENTS, dict(payment_id=payment_id))).mappings().all()]

@@ -199,3 +199,38 @@ async def test_the_list_pages_by_keyset_newest_first_with_no_row_twice_and_none_
         await engine.dispose()
 
     assert seen == list(reversed(paid)), "newest first, each once"
+
+
+async def test_the_webhooks_page_and_the_operation_page_show_each_delivery_and_its_attempts(
+    http, console_api, db, shop
+):
+    paid = await pay(http, console_api.url, shop)
+    assert paid.status_code == 201
+    payment_id = uuid.UUID(paid.json()["id"])
+    event_id = await db.fetchval("SELECT id FROM event WHERE payment_id = $1", payment_id)
+    # No worker runs beside this API: the event's delivery waits, pending.
+    html = (await http.get(console_api.url + "/console/webhooks?state=pending", headers=OPERATOR)).text
+    assert str(event_id) in html and "payment.succeeded" in html and f"/console/payments/{payment_id}" in html
+    assert '<dd id="pending-count">1 ' in html and '<dd id="dead-count">0</dd>' in html
+    page = (await http.get(console_api.url + f"/console/payments/{payment_id}", headers=OPERATOR)).text
+    assert "Events and webhooks" in page and str(event_id) in page and ">pending</span>" in page
+
+    # What the dispatcher records when it gives up (app/outbox/delivery.py): the attempt, then the delivery dead.
+    await db.execute(
+        "INSERT INTO webhook_attempt (event_id, attempt, url, finished_at, outcome, status_code, latency_ms, "
+        "error_class, error) VALUES ($1, 1, $2, now(), 'dead', 500, 12.3, 'http_status', 'HTTP 500')",
+        event_id, shop.webhook_url,
+    )
+    await db.execute(
+        "UPDATE webhook_delivery SET state = 'dead', attempts = 1, last_status = 500, last_error = 'HTTP 500' "
+        "WHERE event_id = $1", event_id,
+    )
+
+    html = (await http.get(console_api.url + "/console/webhooks", headers=OPERATOR)).text  # dead is the default
+    assert '<dd id="dead-count">1</dd>' in html and str(event_id) in html and "HTTP 500" in html
+    pending = (await http.get(console_api.url + "/console/webhooks?state=pending", headers=OPERATOR)).text
+    assert str(event_id) not in pending and "No pending deliveries." in pending
+    page = (await http.get(console_api.url + f"/console/payments/{payment_id}", headers=OPERATOR)).text
+    assert ">dead</span>" in page and "#1 dead 500 http_status 12 ms" in page
+    # An unknown state is not an error: the page falls back to the dead ones.
+    assert (await http.get(console_api.url + "/console/webhooks?state=<x>", headers=OPERATOR)).status_code == 200
