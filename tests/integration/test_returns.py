@@ -249,3 +249,27 @@ async def test_a_return_line_we_were_never_notified_of_is_applied_by_reconciliat
     message = await assert_returned_once(http, stack, db, acme, key, body, created)
     assert message["duplicates"] == 1
     assert len(await refunds(db, body["reference"])) == 1
+
+
+async def test_the_rail_returns_an_accepted_transfer_once_and_books_it_as_a_return_line(http, stack, db, acme):
+    _, body, created = await paid_out(http, stack, acme)
+    (await http.put(stack.rail.url + "/_admin/notify", json={"url": None, "secret": None})).raise_for_status()
+    e2e = created["end_to_end_reference"]
+
+    returned = await return_payout(http, stack, e2e)
+    again = await http.post(stack.rail.url + "/_admin/return", json={"end_to_end_reference": e2e, "reason_code": "AC01"})
+    unknown = await http.post(stack.rail.url + "/_admin/return",
+                              json={"end_to_end_reference": "E2ENOSUCH", "reason_code": "AC04"})
+
+    assert again.status_code == 409 and again.json()["type"].endswith("/already-returned")
+    assert unknown.status_code == 404
+    today = datetime.now(UTC).date().isoformat()
+    statement = (await http.get(f"{stack.rail.url}/v1/statements/{today}")).json()
+    [line] = statement["returns"]
+    assert line == {
+        "return_id": returned["return_id"], "transfer_id": returned["transfer_id"], "end_to_end_reference": e2e,
+        "amount": body["amount"] - created["fee"], "currency": "EUR", "reason_code": "AC04", "booking_date": today,
+    }
+    assert [e["end_to_end_reference"] for e in statement["entries"]] == [e2e], "the transfer stays booked too"
+    [n] = await notifications(http, stack)
+    assert n["state"] == "pending" and n["deliveries"] == [], "nowhere to deliver: held, not lost"
