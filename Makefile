@@ -10,7 +10,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run cluster soak test mutants bench bench-growth screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-webhooks
+.PHONY: install run cluster soak test mutants bench bench-growth screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-webhooks demo-return
 
 install: $(STAMP)
 
@@ -105,6 +105,10 @@ demo-reconcile: $(STAMP)
 # A payment's webhook, the dispatcher killed mid-delivery, the merchant's inbox applying it once (docs/outbox-inbox.md).
 demo-webhooks: $(STAMP)
 	$(BIN)/python -m demos.webhooks
+
+# A payout returned days later: the rail's duplicate notification dropped by our inbox, the refund, the merchant's webhooks.
+demo-return: $(STAMP)
+	$(BIN)/python -m demos.returns
 
 # Re-pin every dependency after editing pyproject.toml.
 lock: $(STAMP)

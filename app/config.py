@@ -161,6 +161,11 @@ class Settings(BaseSettings):
     log_format: Literal["json", "console"] = "json"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
+    # The rail's notifications of returned payouts (POST /v1/rail/notifications)
+    # are signed with this shared secret (Standard Webhooks, whsec_...); unset,
+    # every notification is refused with 401 and returns arrive only through
+    # reconciliation's reading of the statements.
+    rail_notification_secret: str | None = Field(default=None, pattern=r"^whsec_[A-Za-z0-9+/=]+$")
     # Crash tests and demos only: die at this named point (app.payments.crash_points;
     # the commands check the name at start-up, app/cli.py::_settings).
     payments_crash_at: str | None = None

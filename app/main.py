@@ -15,6 +15,7 @@ from app.api.in_flight import InFlight, TrackInFlight
 from app.api.metrics import RequestMetrics
 from app.api.metrics import router as metrics_router
 from app.api.replay_shortcut import ReplayShortcut
+from app.api.rail_notifications import router as rail_router
 from app.api.routes import router
 from app.console import routes as console
 from app.config import Settings
@@ -37,6 +38,7 @@ OPENAPI_TAGS = [
     {"name": "events", "description": "The decisions about your payments, as a feed; webhooks carry the same events."},
     {"name": "idempotency keys", "description": "An operation's state machine row and timeline, for learners and operators."},
     {"name": "meta", "description": "What a problem `type` means; whether the service can reach its database."},
+    {"name": "rail", "description": "For the rail only: its signed notifications of returned payouts, through our inbox."},
 ]
 
 # FastAPI looks for OpenTelemetry providers on every request (it reads the
@@ -80,6 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # The operator console (docs/console.md): HTML pages under /console,
     # disabled (404) unless OPERATOR_TOKEN is set.
     console.install(app)
+    app.include_router(rail_router)
     if settings.replay_shortcut:
         # An optimisation, not part of the idea: retries of finished payments
         # are answered here, before routing, with the route's own read and

@@ -110,6 +110,24 @@ KEY_TABLE_UNAVAILABLE = _t(
     "and body.",
 )
 
+RAIL_UNAUTHENTICATED = _t(
+    "rail-unauthenticated", 401, "Not signed by the rail",
+    "POST /v1/rail/notifications accepts only messages signed by the rail: Standard Webhooks "
+    "headers (webhook-id, webhook-timestamp within five minutes, webhook-signature) under the "
+    "shared secret RAIL_NOTIFICATION_SECRET. Nothing was recorded.",
+)
+INVALID_NOTIFICATION = _t(
+    "invalid-notification", 400, "The notification is not one the rail documents",
+    "The body is not a `transfer.returned` message as the rail documents it, or it carries a "
+    "return reason code that is not on the allow-list. It was not guessed at: nothing was recorded.",
+)
+RETURN_TOO_EARLY = _t(
+    "return-too-early", 409, "The returned transfer's outcome is not recorded yet",
+    "The payment this return names has not recorded its transfer's outcome yet (it is still "
+    "processing, or indeterminate). Nothing was recorded; deliver the notification again after "
+    "Retry-After seconds, and it will be applied once the outcome is recorded.",
+)
+
 CATALOGUE: dict[str, ProblemType] = {
     t.slug: t
     for t in (
@@ -117,6 +135,7 @@ CATALOGUE: dict[str, ProblemType] = {
         NOT_FOUND, METHOD_NOT_ALLOWED, REQUEST_TIMEOUT, PAYLOAD_TOO_LARGE, REQUEST_HEADER_TOO_LARGE,
         REQUEST_IN_PROGRESS, DUPLICATE_PAYMENT,
         IDEMPOTENCY_KEY_REUSED, INTERNAL_ERROR, SERVICE_UNAVAILABLE, KEY_TABLE_UNAVAILABLE,
+        RAIL_UNAUTHENTICATED, INVALID_NOTIFICATION, RETURN_TOO_EARLY,
     )
 }
 

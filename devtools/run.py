@@ -19,6 +19,7 @@ fakes are), so the settings of README.md#settings apply to `make run`.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import os
@@ -53,7 +54,15 @@ def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant
         # the signing secret: a learner sees a payment's webhook arrive
         # (and be applied once) without setting anything up.
         secret = demo_webhook_secret(url, f"http://127.0.0.1:{merchant_port}/webhooks")
-        system.start_fakes(psp_port=psp_port, rail_port=rail_port)
+        # The rail notifies the API of returned payouts, signed with a secret
+        # both are given (this run's own, unless RAIL_NOTIFICATION_SECRET is set).
+        rail_secret = os.environ.get("RAIL_NOTIFICATION_SECRET") or (
+            "whsec_" + base64.b64encode(os.urandom(32)).decode())
+        system.settings["RAIL_NOTIFICATION_SECRET"] = rail_secret
+        assert system.environ is not None
+        system.environ["FAKE_RAIL_NOTIFY_SECRET"] = rail_secret
+        notify_url = f"http://127.0.0.1:{api_port}/v1/rail/notifications"
+        system.start_fakes(psp_port=psp_port, rail_port=rail_port, rail_args=("--notify-url", notify_url))
         system.start_merchant(port=merchant_port, secrets=[secret])
         system.start_api("API", port=api_port)
         system.start_worker("worker", WORKER_METRICS_PORT=metrics_port)
@@ -187,7 +196,8 @@ def _print_welcome(console: Console, api_port: int, psp_port: int, rail_port: in
     console.rule("[bold green]exactly-once payments is running")
     console.print(f"API        http://127.0.0.1:{api_port}   (OpenAPI UI: http://127.0.0.1:{api_port}/docs)")
     console.print(f"fake PSP   http://127.0.0.1:{psp_port}   (records: /_admin/charges)")
-    console.print(f"fake rail  http://127.0.0.1:{rail_port}   (records: /_admin/transfers)")
+    console.print(f"fake rail  http://127.0.0.1:{rail_port}   (records: /_admin/transfers; return a payout: "
+                  "POST /_admin/return {\"end_to_end_reference\": ..., \"reason_code\": \"AC04\"})")
     console.print(f"merchant   http://127.0.0.1:{merchant_port}   (the demo client's webhooks: /_admin/received, /_admin/inbox)")
     console.print("worker     resumes any payment whose owner died, reconciles, delivers webhooks")
     console.print(f"metrics    http://127.0.0.1:{api_port}/metrics (API), http://127.0.0.1:{metrics_port}/metrics "

@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
@@ -116,8 +116,14 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("json", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
-def pool_lifespan(database_url: str, schema: str, ddl: str):
+def pool_lifespan(
+    database_url: str, schema: str, ddl: str,
+    background: Callable[[FastAPI], Awaitable[None]] | None = None,
+):
     """An app lifespan that opens a pool and creates `schema` if it is missing.
+
+    `background(app)`, if given, runs as a task while the app serves (the
+    rail's notifier), cancelled when it stops.
 
     The DDL runs under a transaction-scoped advisory lock: two fakes starting
     at once against a fresh database would otherwise both try to create the
@@ -138,7 +144,13 @@ def pool_lifespan(database_url: str, schema: str, ddl: str):
                 await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", schema)
                 await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}; {ddl}")
             app.state.pool = pool
-            yield
+            task = asyncio.create_task(background(app)) if background else None
+            try:
+                yield
+            finally:
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
         finally:
             await pool.close()
 
@@ -261,12 +273,17 @@ def _jsonable(value: Any) -> Any:
 # --- Fault plan ---------------------------------------------------------------
 
 Action = Literal[
-    "delay", "error_before", "error_after", "hang_after", "decline", "reject", "rate_limit"
+    "delay", "error_before", "error_after", "hang_after", "decline", "reject", "rate_limit",
+    "duplicate",
 ]
-Operation = Literal["charge", "refund", "transfer", "webhook"]
+# `notification` is the one operation a fake makes rather than answers: the
+# rail's notifier POSTing a return to the payment service. There `delay`
+# holds a delivery back for `seconds` (so later notifications overtake it:
+# out of order), and `duplicate` delivers it once more after a 2xx, per use.
+Operation = Literal["charge", "refund", "transfer", "webhook", "notification"]
 
 # A business outcome only exists for one operation.
-ONLY_FOR: dict[str, str] = {"decline": "charge", "reject": "transfer"}
+ONLY_FOR: dict[str, str] = {"decline": "charge", "reject": "transfer", "duplicate": "notification"}
 DEFAULT_SECONDS = {"delay": 2.0, "hang_after": 3600.0}
 DEFAULT_STATUS = {"error_before": 503, "error_after": 500}
 
@@ -329,11 +346,11 @@ class FaultPlan:
                 )
         self.faults = faults
 
-    async def take(self, operation: str, reference: str) -> Fault | None:
-        """Consume one use of the first matching fault and return it."""
+    async def take(self, operation: str, reference: str, actions: Collection[str] | None = None) -> Fault | None:
+        """Consume one use of the first matching fault (of one of `actions`, if given) and return it."""
         async with self._lock:
             for f in self.faults:
-                if f.matches(operation, reference):
+                if f.matches(operation, reference) and (actions is None or f.action in actions):
                     if f.times is not None:
                         f.times -= 1
                     return f
@@ -512,13 +529,14 @@ async def list_requests(
 
 
 def base_app(
-    title: str, database_url: str, schema: str, ddl: str, operations: Iterable[str]
+    title: str, database_url: str, schema: str, ddl: str, operations: Iterable[str],
+    background: Callable[[FastAPI], Awaitable[None]] | None = None,
 ) -> FastAPI:
     """An app with what both fakes have: pool, schema, fault plan, errors, health, request log."""
     # No OpenTelemetry here: spare the per-request look for its providers.
     app = FastAPI(
         title=title,
-        lifespan=pool_lifespan(database_url, schema, ddl + REQUEST_LOG_DDL.format(schema=schema)),
+        lifespan=pool_lifespan(database_url, schema, ddl + REQUEST_LOG_DDL.format(schema=schema), background),
         telemetry={"tracing": False, "metrics": False, "logs": False},
         dependencies=[Depends(request_logger(schema))],
     )

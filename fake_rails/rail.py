@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from schwifty import IBAN
 from schwifty.exceptions import SchwiftyException
 
+from fake_rails import returns
 from fake_rails.common import (
     DATABASE_URL_HELP,
     RECORD_COLUMNS,
@@ -187,14 +188,22 @@ def create_app(
     legacy: bool = False,
     legacy_accounts: Iterable[str] = frozenset(),
     cutoff: time | None = DEFAULT_CUTOFF,
+    notify_url: str | None = None,
+    notify_secret: str | None = None,
 ) -> FastAPI:
     """The rail. `legacy`: every transfer is legacy; `legacy_accounts`: the
     transfers to these beneficiary IBANs (compared in electronic form, so
     `GB82 WEST ...` and `GB82WEST...` are one account) are; `cutoff`: the
     daily cut-off time in UTC, None for none. An entry of `legacy_accounts`
-    that is not a valid IBAN raises ValueError."""
+    that is not a valid IBAN raises ValueError. `notify_url`, `notify_secret`:
+    where returns are notified, and the shared secret they are signed with
+    (fake_rails/returns.py; also settable with `PUT /_admin/notify`)."""
     legacy_accounts = frozenset(legacy_iban(a) for a in legacy_accounts if a.strip())
-    app = base_app("fake-rail", database_url, "fake_rail", DDL, ["transfer"])
+    app = base_app(
+        "fake-rail", database_url, "fake_rail", DDL + returns.DDL, ["transfer", "notification"],
+        background=returns.notifier,
+    )
+    app.state.notifier = returns.Notifier(notify_url, notify_secret)
 
     def pool() -> asyncpg.Pool:
         return app.state.pool
@@ -281,9 +290,13 @@ def create_app(
                 "ORDER BY created_at, id",
                 booking_date,
             )
+            returned = await returns.returns_booked(conn, booking_date)
         return {
             "date": day,
             "final": final,
+            # Transfers returned, booked on this day (the transfer itself
+            # stays on the statement of the day it was booked).
+            "returns": returned,
             "entries": [
                 {
                     "transfer_id": r["id"],
@@ -344,6 +357,8 @@ def create_app(
     async def admin_transfers(reference: Annotated[str | None, Query()] = None) -> dict[str, Any]:
         return await list_items(pool(), "fake_rail.transfer", reference)
 
+    app.include_router(returns.router(app, book))
+
     return app
 
 
@@ -368,6 +383,13 @@ def main() -> None:
         cutoff: str = typer.Option(
             "23:00", help="Daily cut-off, HH:MM UTC: later transfers book next day (24:00: none)."
         ),
+        notify_url: str | None = typer.Option(
+            None, help="Where returns are notified (the payment service's POST /v1/rail/notifications)."
+        ),
+        notify_secret: str | None = typer.Option(
+            None, envvar="FAKE_RAIL_NOTIFY_SECRET",
+            help="whsec_... secret the notifications are signed with (Standard Webhooks).",
+        ),
     ) -> None:
         try:
             app = create_app(
@@ -375,6 +397,8 @@ def main() -> None:
                 legacy=legacy,
                 legacy_accounts=legacy_accounts.split(","),
                 cutoff=_cutoff_option(cutoff),
+                notify_url=notify_url,
+                notify_secret=notify_secret and returns.valid_secret(notify_secret),
             )
         except ValueError as exc:  # a legacy account that is not an IBAN
             raise typer.BadParameter(str(exc), param_hint="--legacy-accounts") from None

@@ -20,6 +20,7 @@ empty tables and an empty fault plan (`clean`). Unit tests need none of it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import subprocess
 from collections.abc import Iterator
@@ -44,10 +45,14 @@ CALLER_DATABASE_URL = os.environ.get("DATABASE_URL")
 # What every service process of the tests gets, on top of where the database
 # and the fakes are. Short enough timeouts that a hang-after-applying fault
 # resolves in a test, long enough for a loaded 2-core machine.
+# The secret the fake rail signs its notifications of returns with (set on
+# the rail by `clean`), and every API process verifies them with.
+RAIL_SECRET = "whsec_" + base64.b64encode(b"the test rail's notification secret").decode()
 TEST_SETTINGS = {
     "PSP_TIMEOUT_SECONDS": "2",
     "RAIL_TIMEOUT_SECONDS": "2",
     "RAIL_LEGACY_ACCOUNTS": LEGACY_IBAN,
+    "RAIL_NOTIFICATION_SECRET": RAIL_SECRET,
 }
 
 
@@ -136,14 +141,17 @@ async def http() -> httpx.AsyncClient:
 async def clean(stack: Stack, db: asyncpg.Connection) -> None:
     """Empty tables and fault plans; autouse in integration/ and crash/."""
     await db.execute(
-        "TRUNCATE reconciliation_break, scheduled_run, ledger_entry, idempotency_key, payment, client, "
+        "TRUNCATE reconciliation_break, scheduled_run, ledger_entry, idempotency_key, rail_message, payment, client, "
         "event, webhook_endpoint, webhook_delivery, webhook_attempt, "
         "fake_psp.charge, fake_psp.refund, fake_psp.request, fake_rail.transfer, fake_rail.closed_day, "
-        "fake_rail.request"
+        "fake_rail.request, fake_rail.notification_attempt, fake_rail.notification, fake_rail.transfer_return"
     )
     async with httpx.AsyncClient() as client:
         for rail in (stack.psp, stack.rail):
             (await client.delete(rail.url + "/_admin/faults")).raise_for_status()
+        # The rail notifies returns to the first API (a test may point it elsewhere).
+        notify = {"url": stack.api + "/v1/rail/notifications", "secret": RAIL_SECRET}
+        (await client.put(stack.rail.url + "/_admin/notify", json=notify)).raise_for_status()
 
 
 @pytest.fixture(scope="session")

@@ -142,7 +142,8 @@ async def get_idempotency_key(services: ServicesDep, client_id: ClientId, key: s
     tags=["events"],
     description=(
         "Every decision about your payments a webhook would carry (`payment.succeeded`, "
-        "`payment.declined`, `payment.failed`, `payment.indeterminate`), in id order. Page with "
+        "`payment.declined`, `payment.failed`, `payment.indeterminate`, and for a payout returned "
+        "later `payment.returned` then `payment.refunded`), in id order. Page with "
         "`after` = the last id you have. Events of the last second are not listed yet, so that an "
         "event still committing can never fall behind your cursor (docs/outbox-inbox.md)."
     ),

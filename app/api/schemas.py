@@ -79,7 +79,10 @@ class EventView(BaseModel):
 
     id: uuid.UUID = Field(description="UUIDv7, time-ordered; the webhook's `webhook-id` (your idempotency key).")
     object: Literal["event"] = "event"
-    type: str = Field(description="`payment.succeeded`, `payment.declined`, `payment.failed` or `payment.indeterminate`.")
+    type: str = Field(
+        description="`payment.succeeded`, `payment.declined`, `payment.failed`, `payment.indeterminate`, "
+        "or, for a payout the beneficiary's bank sent back later, `payment.returned` then `payment.refunded`."
+    )
     created_at: datetime
     data: PaymentView = Field(description="The payment as it stood when the event was written.")
 

@@ -39,8 +39,13 @@ def payout_sent(p: Payment) -> list[tuple[str, int, int]]:
     return [("beneficiary_payable", p.net_minor, 0), ("rail_settlement", 0, p.net_minor)]
 
 
+def payout_returned(p: Payment) -> list[tuple[str, int, int]]:
+    """The rail returned an accepted payout: the money is back, and owed on again (to the payer now)."""
+    return [("rail_settlement", p.net_minor, 0), ("beneficiary_payable", 0, p.net_minor)]
+
+
 def charge_refunded(p: Payment) -> list[tuple[str, int, int]]:
-    """Compensation: the payout was rejected and the charge refunded, fee included."""
+    """Compensation: the payout was rejected (or returned) and the charge refunded, fee included."""
     return [
         ("beneficiary_payable", p.net_minor, 0),
         ("fee_revenue", p.fee_minor, 0),

@@ -13,6 +13,8 @@ Parking, which is a short transaction of its own, calls `emit`.
     payment.declined        phases.record_charge (declined)   declined
     payment.failed          phases.record_refund              failed (refunded)
     payment.indeterminate   phases.park                       indeterminate
+    payment.returned        returns.record_return             returned (refund under way)
+    payment.refunded        phases.record_return_refund       refunded (after a return)
 
 A payout settled by reconciliation goes through the same phases
 (phases.settle_parked), so it emits `payment.succeeded`, or, once its refund
@@ -37,10 +39,15 @@ SUCCEEDED = "payment.succeeded"
 DECLINED = "payment.declined"
 FAILED = "payment.failed"
 INDETERMINATE = "payment.indeterminate"
+RETURNED = "payment.returned"
+REFUNDED = "payment.refunded"
 # Stable names: a client's code switches on them. (The schema checks only
-# their shape, so a new type, such as a returned payout's, needs no migration.)
-TYPES = (SUCCEEDED, DECLINED, FAILED, INDETERMINATE)
-_OF_STATUS = {"succeeded": SUCCEEDED, "declined": DECLINED, "failed": FAILED, "indeterminate": INDETERMINATE}
+# their shape, so a new type needs no migration.)
+TYPES = (SUCCEEDED, DECLINED, FAILED, INDETERMINATE, RETURNED, REFUNDED)
+_OF_STATUS = {
+    "succeeded": SUCCEEDED, "declined": DECLINED, "failed": FAILED, "indeterminate": INDETERMINATE,
+    "returned": RETURNED, "refunded": REFUNDED,
+}
 
 
 def type_for(status: str) -> str:

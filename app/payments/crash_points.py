@@ -15,6 +15,10 @@ each external step N:
     after-call-EXTN       external call N was applied; its outcome is not yet
                           committed (the "debited, then crashed" case)
 
+(EXT4 is the refund that compensates a returned payout: its
+after-commit-EXT4_SENT is in the rail notification's handler, between
+recording the return and acknowledging it to the rail, and in
+reconciliation's backstop after recording a return line);
 one inside the reconciliation job (`payments reconcile`), which no
 payment request reaches: reconcile-after-settlement; and two in the webhook
 dispatcher of `payments worker` (app/workers/webhooks.py):
@@ -30,7 +34,7 @@ from __future__ import annotations
 import os
 import sys
 
-from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED
+from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT, EXT4_SENT, FINISHED
 
 POINTS: dict[str, str] = {
     f"after-commit-{EXT1_SENT}": "Handler1 committed (payment row, K1); the PSP has not been called.",
@@ -39,6 +43,9 @@ POINTS: dict[str, str] = {
     "after-call-EXT2": "The rail accepted (or rejected) the transfer; its outcome is not recorded yet.",
     f"after-commit-{EXT3_SENT}": "The rejection is recorded and the refund intended; the PSP has not been asked to refund.",
     "after-call-EXT3": "The PSP refunded the charge; the refund is not recorded yet.",
+    f"after-commit-{EXT4_SENT}": "A return is recorded (inbox, returned, ledger, event, refund intended); "
+    "the rail has not been acknowledged and the PSP not asked to refund.",
+    "after-call-EXT4": "The PSP refunded the returned payment's charge; the refund is not recorded yet.",
     f"after-commit-{FINISHED}": "The final response is stored; the client has not received it.",
     "reconcile-after-settlement": "A reconciliation run settled one payment; the rest of its window is not done.",
     "webhook-after-claim": "The dispatcher claimed due deliveries (leased, attempt counted); nothing is POSTed yet.",
@@ -46,7 +53,7 @@ POINTS: dict[str, str] = {
 }
 
 # Which external call each SENT point makes (for the after-call-EXTN names).
-CALL_OF = {EXT1_SENT: "EXT1", EXT2_SENT: "EXT2", EXT3_SENT: "EXT3"}
+CALL_OF = {EXT1_SENT: "EXT1", EXT2_SENT: "EXT2", EXT3_SENT: "EXT3", EXT4_SENT: "EXT4"}
 
 
 def validate(point: str | None) -> str | None:

@@ -28,7 +28,7 @@ MAX_AMOUNT_MINOR = 1_000_000_000  # ten million in a two-decimal currency
 FEE_BASIS_POINTS = 140
 FEE_FIXED_MINOR = 25
 
-PaymentStatus = Literal["processing", "succeeded", "declined", "failed", "indeterminate"]
+PaymentStatus = Literal["processing", "succeeded", "declined", "failed", "indeterminate", "returned", "refunded"]
 
 # Free text (a name, a reference) is checked and normalised before anything
 # else looks at it, so that what is stored, fingerprinted and sent to the rail
@@ -160,10 +160,13 @@ class Payment:
     created_at: datetime
     updated_at: datetime
     payout_instructed_at: datetime | None
+    return_id: str | None = None
+    return_reason: str | None = None
+    returned_at: datetime | None = None
 
 
 class Failure(BaseModel):
-    stage: Literal["charge", "payout"]
+    stage: Literal["charge", "payout", "return"]
     code: str
     message: str
 
@@ -181,7 +184,9 @@ class PaymentView(BaseModel):
     status: PaymentStatus = Field(
         description="`processing` while the outcome is not yet known (never a failure); "
         "`indeterminate` when repeated attempts could not learn it and reconciliation will; "
-        "`succeeded`, `declined` or `failed` once final."
+        "`succeeded`, `declined` or `failed` once final. A succeeded payout the beneficiary's bank "
+        "sends back later becomes `returned` (the refund of the card is under way) and then "
+        "`refunded` (final). A POST replay still answers the response first stored."
     )
     reference: str
     amount: int
@@ -220,6 +225,13 @@ def _failure(payment: Payment) -> Failure | None:
             stage="charge",
             code=payment.decline_code or "declined",
             message="The card was declined by the PSP; nothing was charged.",
+        )
+    if payment.status in ("returned", "refunded"):
+        done = "was refunded in full" if payment.status == "refunded" else "is being refunded in full"
+        return Failure(
+            stage="return",
+            code=payment.return_reason or "returned",
+            message=f"The beneficiary's bank returned the payout; the charge {done}.",
         )
     if payment.status == "failed":
         return Failure(

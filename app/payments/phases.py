@@ -21,6 +21,12 @@ phases.
     record_transfer   store the transfer, post the ledger     -> finished | EXT3_SENT (rejected)
     (External3: refund the charge at the PSP with K3)
     record_refund     store the refund, reverse the ledger    -> finished (failed)
+
+A payout returned later is compensated by an operation of its own, started
+by app/payments/returns.py::record_return at EXT4_SENT:
+
+    (External4: refund the charge at the PSP with K4)
+    record_return_refund  store the refund, reverse the ledger -> finished (refunded)
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from app.payments import sql
 from app.payments import store as payments
 from app.payments.models import Payment, PaymentRequest, PaymentView, fee_for
 from app.payments.recovery_points import (
-    EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED, STEP_CHARGE, STEP_REFUND, STEP_TRANSFER,
+    EXT1_SENT, EXT2_SENT, EXT3_SENT, EXT4_SENT, FINISHED, STEP_CHARGE, STEP_REFUND, STEP_TRANSFER,
 )
 from app.problems import DUPLICATE_PAYMENT, KEY_TABLE_UNAVAILABLE, ProblemError
 from app.rails.answers import Charge, Refund, Transfer
@@ -244,6 +250,26 @@ async def record_refund(conn: AsyncConnection, op: Operation, refund: Refund, le
     )
 
 
+async def record_return_refund(conn: AsyncConnection, op: Operation, refund: Refund, lease_seconds: float) -> Operation:
+    """The refund compensating a returned payout: the payment ends refunded.
+
+    `op` is the compensation's own operation (its key row was written with
+    the return, app/payments/returns.py); its payment is the returned one.
+    Durable after commit: the refund id, the ledger's `charge_refunded`
+    posting (with `payout_returned` before it, the payment's entries sum to
+    zero on every account), status refunded, the `payment.refunded` event,
+    and the compensation's key row finished. The payment's own key row is
+    untouched: a POST replay still answers the response first stored.
+    Crash before commit: the row still says EXT4_SENT; the resumer probes
+    the PSP by K4, finds this refund and records it then: one refund, never two.
+    """
+    refunded = replace(op.payment, status="refunded", psp_refund_id=refund.id)
+    return await _finish(
+        conn, op, sql.RETURN_REFUNDED, refunded, event="charge refunded after the return", refund_id=refund.id,
+        **postings.legs("charge_refunded", postings.charge_refunded(op.payment)),
+    )
+
+
 async def release(
     conn: AsyncConnection,
     op: Operation,
@@ -279,6 +305,10 @@ async def park(conn: AsyncConnection, op: Operation, reason: str, recheck_in: fl
     still unknown.
     """
     await keys.park(conn, op.lease, reason, recheck_in, event="parked", not_sent=not_sent)
+    if op.recovery_point == EXT4_SENT:
+        # A returned payment's refund: the client was told `payment.returned`
+        # and the payment stays so; only the refund waits for the re-probe.
+        return op.payment
     payment = await payments.update(conn, "indeterminate", op.payment.id)
     await events.emit(
         conn, client_id=payment.client_id, payment_id=payment.id,
@@ -302,7 +332,11 @@ async def unpark(conn: AsyncConnection, client_id: int, key: str, lease_seconds:
     lease, attempt = taken
     row = await keys.load(conn, client_id, key)
     assert row is not None and row.payment_id is not None
-    payment = await payments.update(conn, "reopened", row.payment_id)
+    if row.recovery_point == EXT4_SENT:
+        payment = await payments.get(conn, client_id, row.payment_id)  # stays returned (see park)
+        assert payment is not None
+    else:
+        payment = await payments.update(conn, "reopened", row.payment_id)
     return Operation(lease, row.recovery_point, payment, resumed=True, attempt=attempt)
 
 

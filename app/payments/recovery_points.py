@@ -21,6 +21,14 @@ a crash between any two of them leaves one of the points below.
     EXT3_SENT  the rail rejected the transfer, and the compensating PSP refund
                with derived key K3 may have been sent.
     finished   the payment has its final status and the response is stored.
+
+A returned payout is compensated by an operation of its own (a key row of
+its own, app/payments/returns.py), driven by the same runner:
+
+    EXT4_SENT  the rail returned the payout and we recorded it (the payment
+               is `returned`, the ledger has `payout_returned`), and the
+               compensating PSP refund with derived key K4 may have been sent.
+    finished   the refund is recorded: the payment is `refunded`.
 """
 
 from __future__ import annotations
@@ -28,11 +36,13 @@ from __future__ import annotations
 EXT1_SENT = "EXT1_SENT"
 EXT2_SENT = "EXT2_SENT"
 EXT3_SENT = "EXT3_SENT"
+EXT4_SENT = "EXT4_SENT"
 FINISHED = "finished"
 
-ALL = (EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED)
+ALL = (EXT1_SENT, EXT2_SENT, EXT3_SENT, EXT4_SENT, FINISHED)
 
 # The step names that derive each external call's idempotency key.
 STEP_CHARGE = "ext1"
 STEP_TRANSFER = "ext2"
 STEP_REFUND = "ext3"
+STEP_RETURN_REFUND = "ext4"

@@ -49,7 +49,7 @@ from app.payments import crash_points, phases
 from app.payments import store as payments
 from app.payments.models import Payment
 from app.payments.phases import Operation
-from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED
+from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT, EXT4_SENT, FINISHED
 from app.rails.outcomes import Applied, CallOutcome, NotApplied, ProbeOutcome, Unknown, outcome_class
 from app.services import Services
 
@@ -96,6 +96,13 @@ _STEPS = {
         send=lambda s, p: s.psp.refund(p.psp_refund_key, p),
         probe=lambda s, p: s.psp.find_refund(p.psp_refund_key),
         record=phases.record_refund,
+    ),
+    # The compensation of a returned payout (app/payments/returns.py): the
+    # same refund, under its own derived key K4.
+    EXT4_SENT: _Step(
+        send=lambda s, p: s.psp.refund(p.psp_refund_key, p),
+        probe=lambda s, p: s.psp.find_refund(p.psp_refund_key),
+        record=phases.record_return_refund,
     ),
 }
 

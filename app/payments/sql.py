@@ -266,10 +266,59 @@ CHARGE_REFUNDED = text(
     """
 )
 
+# phases.record_return_refund: the compensation of a returned payout finishes:
+# the card is refunded, status refunded, post charge_refunded. (The fence is
+# the compensation's own key row, app/payments/returns.py; its payment_id is
+# the returned payment.)
+RETURN_REFUNDED = text(
+    """
+    WITH fence AS (
+        UPDATE idempotency_key
+           SET state = 'finished',
+               recovery_point = :recovery_point,
+               response_code = :response_code,
+               response_body = :response_body,
+               lease_token = NULL,
+               lease_expires_at = NULL,
+               last_error = NULL,
+               finished_at = now(),
+               updated_at = now(),
+               timeline = timeline || jsonb_build_object('at', now(), 'event', CAST(:event AS text),
+                                                         'recovery_point', CAST(:recovery_point AS text),
+                                                         'attempt', attempts)
+         WHERE client_id = :client_id AND key = :key
+           AND lease_token = :token AND state = 'started'
+        RETURNING payment_id
+    ), updated AS (
+        UPDATE payment
+           SET status = 'refunded', psp_refund_id = :refund_id, updated_at = now()
+          FROM fence
+         WHERE payment.id = fence.payment_id
+        RETURNING payment.*
+    ), posted AS (
+        INSERT INTO ledger_entry (payment_id, posting, account, debit_minor, credit_minor, currency)
+        SELECT updated.id, CAST(:posting AS text), leg.account, leg.debit, leg.credit, updated.currency
+          FROM updated,
+               unnest(CAST(:accounts AS text[]), CAST(:debits AS bigint[]), CAST(:credits AS bigint[]))
+                 AS leg(account, debit, credit)
+    ), emitted AS (
+        INSERT INTO event (client_id, payment_id, type, data)
+        SELECT :client_id, fence.payment_id, CAST(:event_type AS text), CAST(:response_body AS json)
+          FROM fence
+        RETURNING id, client_id
+    ), queued AS (
+        INSERT INTO webhook_delivery (event_id, client_id)
+        SELECT emitted.id, emitted.client_id
+          FROM emitted JOIN webhook_endpoint ON webhook_endpoint.client_id = emitted.client_id
+    )
+    SELECT * FROM updated
+    """
+)
+
 # The statements that finish a payment also write its event (and its
 # webhook delivery), as the two CTEs of app/outbox/events.py::EMIT_SQL,
 # word for word (tests/unit/test_phase_sql.py).
-EMITS = ("CHARGE_DECLINED", "PAYOUT_SENT", "CHARGE_REFUNDED")
+EMITS = ("CHARGE_DECLINED", "PAYOUT_SENT", "CHARGE_REFUNDED", "RETURN_REFUNDED")
 
 # Which fence each statement must carry, word for word (tests/unit/test_phase_sql.py).
 FENCES = {
@@ -279,4 +328,5 @@ FENCES = {
     "PAYOUT_SENT": "FINISH_SQL",
     "PAYOUT_REJECTED": "ADVANCE_SQL",
     "CHARGE_REFUNDED": "FINISH_SQL",
+    "RETURN_REFUNDED": "FINISH_SQL",
 }

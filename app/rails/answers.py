@@ -14,7 +14,7 @@ come from outside.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -58,6 +58,54 @@ class StatementEntry(BaseModel):
     currency: str = Field(max_length=3)
 
 
+# The return reasons the rail documents (ISO 20022 codes). A return with any
+# other code is refused, not guessed at: we cannot know what it means for
+# the money (app/api/rail_notifications.py answers it with a problem).
+RETURN_REASONS: dict[str, str] = {
+    "AC01": "incorrect account number",
+    "AC04": "account closed",
+    "AC06": "account blocked",
+    "AG01": "transaction forbidden on this account",
+    "AM05": "duplication",
+    "BE04": "missing creditor address",
+    "MD07": "beneficiary deceased",
+    "MS02": "not specified, reason by customer",
+    "MS03": "not specified, reason by agent",
+    "RR04": "regulatory reason",
+}
+ReturnReason = Literal[
+    "AC01", "AC04", "AC06", "AG01", "AM05", "BE04", "MD07", "MS02", "MS03", "RR04",
+]
+
+
+class ReturnLine(BaseModel):
+    """A returned transfer, as the statement's return line and the notification both carry it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    return_id: str = Field(min_length=1, max_length=100)
+    transfer_id: str = Field(min_length=1, max_length=100)
+    end_to_end_reference: str = Field(min_length=1, max_length=35)
+    amount: int = Field(gt=0)
+    currency: str = Field(min_length=3, max_length=3)
+    reason_code: ReturnReason
+
+
+class ReturnNotification(BaseModel):
+    """The rail's notification of a return (POST /v1/rail/notifications), allow-listed.
+
+    The only message type the rail documents is `transfer.returned`; a body
+    that is anything else, or carries an unknown reason code, fails to parse
+    and is refused.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    id: str = Field(min_length=1, max_length=100)
+    type: Literal["transfer.returned"]
+    data: ReturnLine
+
+
 class Statement(BaseModel):
     """A day's statement: `final` once the day is closed and can no longer change."""
 
@@ -65,3 +113,8 @@ class Statement(BaseModel):
 
     final: bool
     entries: list[StatementEntry]
+    # Transfers returned and booked on this day (a rail that never returns
+    # anything may leave the field out). Each line is checked against
+    # ReturnLine by reconciliation, one by one: a line with a reason we do
+    # not know is refused alone, not the whole statement with it.
+    returns: list[dict[str, Any]] = []

@@ -20,6 +20,16 @@ day's run looks again. Bookings that contradict what we recorded (a second
 booking of a paid-out payment, on any day; a booking for a payment we
 refunded) are breaks too.
 
+The statement is also the backstop for returned payouts: each return line
+on the window's statement is handed to the very function the rail's
+notification reaches (app/payments/returns.py::record_return), with the
+same inbox key (derived from the return's id). A return we were already
+notified of is a duplicate there and changes nothing; one we never heard
+of is applied now, and its compensating refund driven, exactly as if the
+notification had arrived. A return line naming no payment of ours is a
+break (`unmatched_return`), as is one that contradicts what we recorded
+(`unexpected_return`).
+
 Each run claims its window with a durable tick (`app.workers.ticks`), so with
 several workers exactly one run happens per window, and settles each payment
 in its own fenced transaction: a run killed halfway leaves every payment
@@ -36,6 +46,7 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -43,13 +54,13 @@ from app.db.errors import database_unavailable, describe, loggable
 from app.db.transaction import atomic, read
 from app.idempotency.store import LeaseLost
 from app.observability import logs, metrics
-from app.payments import crash_points, phases
+from app.payments import crash_points, phases, returns
 from app.payments import store as payments
 from app.payments.models import Payment
 from app.payments.phases import Operation
-from app.payments.recovery_points import EXT2_SENT, FINISHED
+from app.payments.recovery_points import EXT2_SENT, EXT4_SENT, FINISHED
 from app.payments.runner import drive, report_finished
-from app.rails.answers import Transfer
+from app.rails.answers import ReturnLine, Transfer
 from app.rails.outcomes import Unknown
 from app.services import Services
 from app.workers import pause, ticks
@@ -140,6 +151,15 @@ async def _reconcile(services: Services, run: RunLease) -> dict[str, Any]:
             logs.bind(client_id=payment.client_id, key_hash=logs.key_hash(key), payment_id=str(payment.id))
             await _settle_one(services, run, payment, key, booked.get(payment.end_to_end_reference, []),
                               broken, statements, counts)
+    for line in statements[window].get("returns", []):
+        try:
+            parsed = ReturnLine.model_validate(line)
+        except ValidationError as exc:
+            # Not guessed at (an unknown reason code, say): left for a person.
+            log.error("return line refused, not one the rail documents: %s (%s)", line, exc.errors()[0]["msg"])
+            counts["return_lines_refused"] += 1
+            continue
+        counts[await _return_line(services, run, parsed)] += 1
     return dict(counts)
 
 
@@ -177,6 +197,35 @@ async def _settle_one(
         # The refund is an ordinary EXT3 step now; if it cannot finish
         # here, the recovery worker will, exactly once, by K3.
         await drive(services, op)
+
+
+async def _return_line(services: Services, run: RunLease, line: ReturnLine) -> str:
+    """A statement's return line, treated as the notification it stands for; the count it adds to."""
+    settings = services.settings
+    try:
+        recorded = await atomic(
+            services.engine, _record_return, run, line,
+            run_lease_seconds=settings.reconcile_lease_seconds, lease_seconds=settings.lease_seconds,
+        )
+    except returns.ReturnTooEarly:
+        # Our transfer's outcome is not recorded yet (days after the payout,
+        # rare): the rail's notification, retried until we accept it, applies it.
+        return "returns_not_yet_applicable"
+    if recorded.operation is None:
+        return {"duplicate": "returns_already_notified"}.get(recorded.outcome, "return_breaks")
+    crash_points.reached(settings.payments_crash_at, f"after-commit-{EXT4_SENT}")
+    await returns.compensate(services, recorded.operation)
+    return "returns_applied_from_statement"
+
+
+async def _record_return(
+    conn: AsyncConnection, run: RunLease, line: ReturnLine, *, run_lease_seconds: float, lease_seconds: float
+) -> returns.Recorded:
+    await ticks.renew(conn, run, run_lease_seconds)
+    return await returns.record_return(
+        conn, line, source="statement", message_id=None, body=line.model_dump(),
+        lease_seconds=lease_seconds, window=run.window_start,
+    )
 
 
 def _booking_days(payment: Payment, horizon: int) -> list[date]:

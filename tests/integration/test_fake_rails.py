@@ -416,7 +416,7 @@ async def test_the_statement_lists_the_accepted_transfers_booked_that_day(rail):
         for e in statement["entries"]
     ] == [("E2E-payout-0", 9900, "EUR", day, day), ("E2E-payout-1", 9900, "EUR", day, day)]
     assert all(e["transfer_id"].startswith("tr_") for e in statement["entries"])
-    assert yesterday == {"date": yesterday["date"], "final": True, "entries": []}
+    assert yesterday == {"date": yesterday["date"], "final": True, "entries": [], "returns": []}
 
 
 @pytest.mark.parametrize("day", ["2025-13-01", "20250101", "yesterday"])

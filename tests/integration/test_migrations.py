@@ -248,3 +248,53 @@ async def test_0007_keeps_every_payment_and_key_row_and_gives_old_payments_room_
             )
     finally:
         await conn.close()
+
+
+async def test_0008_keeps_every_payment_and_break_and_lets_a_paid_out_payment_be_returned(scratch):
+    await migrate(scratch, "0007")
+    conn = await asyncpg.connect(scratch)
+    try:
+        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
+        statuses = ("processing", "succeeded", "declined", "failed", "indeterminate")
+        for status in statuses:
+            await insert_payment(conn, uuid.uuid4(), client, f"order-{status}", status)
+        await conn.execute(
+            "INSERT INTO reconciliation_break (window_start, kind, end_to_end_reference, details) "
+            "VALUES ('2026-12-01', 'unmatched_transfer', 'E2E1', '{}')"
+        )
+        before = {t: await conn.fetch(f"SELECT * FROM {t} ORDER BY 1") for t in ("payment", "reconciliation_break")}
+    finally:
+        await conn.close()
+
+    await migrate(scratch, "0008")
+
+    conn = await asyncpg.connect(scratch)
+    try:
+        after = {t: await conn.fetch(f"SELECT * FROM {t} ORDER BY 1") for t in before}
+        new_columns = {"return_id", "return_reason", "returned_at"}
+        assert [{k: v for k, v in r.items() if k not in new_columns} for r in after["payment"]] == [
+            dict(r) for r in before["payment"]
+        ]
+        assert all(r[c] is None for r in after["payment"] for c in new_columns), "nothing invented for the past"
+        assert [dict(r) for r in after["reconciliation_break"]] == [dict(r) for r in before["reconciliation_break"]]
+        # An old, paid-out payment can be returned and refunded from now on; nothing else is a status.
+        await conn.execute("UPDATE payment SET status = 'returned', return_id = 'rt_1' WHERE reference = 'order-succeeded'")
+        await conn.execute("UPDATE payment SET status = 'refunded' WHERE reference = 'order-succeeded'")
+        with pytest.raises(asyncpg.CheckViolationError):
+            await conn.execute("UPDATE payment SET status = 'recalled' WHERE reference = 'order-failed'")
+        await conn.execute(
+            "INSERT INTO reconciliation_break (window_start, kind, end_to_end_reference, details) "
+            "VALUES ('2026-12-02', 'unmatched_return', 'E2E2', '{}')"
+        )
+        await conn.execute(
+            "INSERT INTO rail_message (inbox_key, source, message_id, return_id, end_to_end_reference, "
+            "reason_code, outcome, body) VALUES ('return:rt_2', 'notification', 'msg_2', 'rt_2', 'E2E2', 'AC04', "
+            "'unmatched', '{}')"
+        )
+        with pytest.raises(asyncpg.UniqueViolationError):  # the inbox: one row per return
+            await conn.execute(
+                "INSERT INTO rail_message (inbox_key, source, return_id, end_to_end_reference, reason_code, "
+                "outcome, body) VALUES ('return:rt_2', 'statement', 'rt_2', 'E2E2', 'AC04', 'unmatched', '{}')"
+            )
+    finally:
+        await conn.close()

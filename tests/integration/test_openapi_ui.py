@@ -43,6 +43,6 @@ async def test_the_document_shows_the_key_header_the_example_and_the_problem_typ
     assert "/problems/idempotency-key-reused" in document["info"]["description"]
     assert "application/problem+json" in create["responses"]["409"]["content"]
     assert {t for ops in document["paths"].values() for op in ops.values() for t in op.get("tags", [])} == {
-        "payments", "events", "idempotency keys", "meta",
+        "payments", "idempotency keys", "meta", "events", "rail",
     }
     assert "HTTPValidationError" not in str(document), "the API answers problem+json, never FastAPI's 422 shape"

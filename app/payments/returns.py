@@ -1,0 +1,304 @@
+"""Returned payouts: the rail's message through our inbox, and the compensation it starts.
+
+Days after a payout was accepted, the beneficiary's bank may send it back
+(the account was closed: reason AC04). The rail tells us twice over: it
+POSTs a signed notification, at least once (app/api/rail_notifications.py),
+and it books a return line on its statement, which reconciliation reads as
+the backstop (app/workers/reconciliation.py). Both arrive here, at
+`record_return`, with the same inbox key, `return:<the rail's return id>`.
+
+`record_return` is one transaction that does the whole effect together with
+the inbox row, so a crash leaves either all of it or none of it:
+
+    rail_message   the inbox row (INSERT ... ON CONFLICT DO NOTHING): if it
+                   conflicts, this return was seen before: count the
+                   duplicate and drop it; nothing else is written
+    payment        succeeded -> returned, with the return's id and reason
+    ledger_entry   payout_returned: the money is back, owed to the payer now
+    event          payment.returned (and its webhook delivery)
+    idempotency_key  the compensation: an operation of its own, claimed by
+                   this caller, at EXT4_SENT with the refund's derived key K4
+
+The compensation policy: a returned payout is refunded to the payer's card
+in full, our fee included (nobody is at fault that the account closed), and
+the payment ends `refunded`. The refund is an ordinary external step driven
+by the same runner (`drive`), from recovery point EXT4_SENT: probe by K4,
+send with K4, record (`phases.record_return_refund`). If its owner dies,
+its lease runs out and the recovery worker takes it over, like any other
+operation. The payment's own key row is never touched: a POST replay of the
+original payment answers the response first stored; GET shows `refunded`.
+
+What cannot be applied is decided here, never guessed:
+
+    no payment has this end-to-end reference       unmatched: a break
+    declined, failed, returned, refunded already,
+    another transfer id, another amount            unexpected: a break
+    the transfer's outcome is not recorded yet
+    (processing, indeterminate)                    too early: nothing is
+                                                   recorded; the caller
+                                                   answers 409 and the rail
+                                                   delivers it again later
+
+Too early is a refusal rather than a pending inbox row because the rail
+retries until it is answered 2xx, and the statement is the backstop should
+it ever stop: the message cannot be lost, and nothing here has to remember
+to apply it later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from datetime import date
+from typing import Any, Literal
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.db.transaction import atomic
+from app.idempotency.keys import derived_key
+from app.idempotency.store import Lease, LeaseLost
+from app.ledger import postings
+from app.outbox import events
+from app.payments import phases
+from app.payments.models import Payment, PaymentView
+from app.payments.phases import Operation
+from app.payments.recovery_points import EXT4_SENT, STEP_RETURN_REFUND
+from app.payments.runner import Finished, Pending, drive
+from app.rails.answers import ReturnLine
+from app.services import Services
+
+log = logging.getLogger(__name__)
+
+# The compensation's key row: under the payment's client, with a key no
+# client can send ("@" is outside the Idempotency-Key charset,
+# app/idempotency/keys.py), so a client's own key can never collide with it.
+COMPENSATION_ENDPOINT = "rail return"
+
+Outcome = Literal["applied", "duplicate", "unmatched", "unexpected", "too_early"]
+
+
+def inbox_key(return_id: str) -> str:
+    """The inbox key of a return: the notification and the statement line both carry the return id."""
+    return f"return:{return_id}"
+
+
+def compensation_key(return_id: str) -> str:
+    return f"@return:{return_id}"
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What became of one message: its outcome and, where it was applied, the compensation to drive."""
+
+    outcome: Outcome
+    payment: Payment | None = None
+    # The compensation, owned by the caller (applied); or, for a duplicate
+    # of an applied return, where to find it (client id, key) to resume it.
+    operation: Operation | None = None
+    compensation: tuple[int, str] | None = None
+    detail: str = ""
+
+
+_LOCK_PAYMENT = text("SELECT * FROM payment WHERE end_to_end_reference = :e2e FOR UPDATE")
+
+_INBOX = text(
+    """
+    INSERT INTO rail_message
+        (inbox_key, source, message_id, return_id, end_to_end_reference, reason_code, outcome, payment_id, body)
+    VALUES (:inbox_key, :source, :message_id, :return_id, :e2e, :reason_code, :outcome, :payment_id,
+            CAST(:body AS jsonb))
+    ON CONFLICT (inbox_key) DO NOTHING
+    RETURNING inbox_key
+    """
+)
+
+_DUPLICATE = text(
+    """
+    UPDATE rail_message SET duplicates = duplicates + 1, last_duplicate_at = now()
+     WHERE inbox_key = :inbox_key
+    RETURNING outcome, payment_id, return_id
+    """
+)
+
+_RETURNED = text(
+    """
+    UPDATE payment
+       SET status = 'returned', return_id = :return_id, return_reason = :reason_code, returned_at = now(),
+           psp_refund_key = :refund_key, updated_at = now()
+     WHERE id = :id AND status = 'succeeded'
+    RETURNING *
+    """
+)
+
+_POSTED = text(
+    """
+    INSERT INTO ledger_entry (payment_id, posting, account, debit_minor, credit_minor, currency)
+    SELECT :payment_id, CAST(:posting AS text), leg.account, leg.debit, leg.credit, :currency
+      FROM unnest(CAST(:accounts AS text[]), CAST(:debits AS bigint[]), CAST(:credits AS bigint[]))
+             AS leg(account, debit, credit)
+    """
+)
+
+# The compensation is claimed by whoever recorded the return (a lease, as
+# handler1's claim), so it is driven at once; if that owner dies, the lease
+# runs out and the recovery worker takes it over.
+_COMPENSATION = text(
+    """
+    INSERT INTO idempotency_key
+        (client_id, key, endpoint, request_hash, state, recovery_point, payment_id,
+         lease_token, lease_expires_at, timeline)
+    VALUES (:client_id, :key, :endpoint, :request_hash, 'started', :recovery_point,
+            :payment_id, gen_random_uuid(),
+            now() + make_interval(secs => :lease_seconds),
+            jsonb_build_array(jsonb_build_object(
+                'at', now(), 'event', CAST(:event AS text),
+                'recovery_point', CAST(:recovery_point AS text), 'attempt', 1)))
+    ON CONFLICT (client_id, key) DO NOTHING
+    RETURNING lease_token
+    """
+)
+
+_BREAK = text(
+    """
+    INSERT INTO reconciliation_break (window_start, kind, end_to_end_reference, payment_id, details)
+    VALUES (coalesce(CAST(:window_start AS date), CAST(timezone('UTC', now()) AS date)),
+            :kind, :e2e, :payment_id, CAST(:details AS jsonb))
+    ON CONFLICT (kind, end_to_end_reference) DO NOTHING
+    """
+)
+
+
+class ReturnTooEarly(Exception):
+    """The payment's transfer outcome is not recorded yet: nothing was written; deliver it again later."""
+
+
+def _decide(payment: Payment | None, line: ReturnLine) -> tuple[Outcome, str]:
+    if payment is None:
+        return "unmatched", "no payment has this end-to-end reference"
+    if payment.status in ("processing", "indeterminate"):
+        return "too_early", f"payment {payment.id} is {payment.status}: its transfer's outcome is not recorded yet"
+    if payment.status != "succeeded":
+        return "unexpected", f"payment {payment.id} is {payment.status}, not a payout that can be returned"
+    if line.transfer_id != payment.rail_transfer_id:
+        return "unexpected", f"transfer {line.transfer_id} is not payment {payment.id}'s ({payment.rail_transfer_id})"
+    if (line.amount, line.currency) != (payment.net_minor, payment.currency):
+        return "unexpected", (
+            f"returned {line.amount} {line.currency}, paid out {payment.net_minor} {payment.currency}"
+        )
+    return "applied", ""
+
+
+async def record_return(
+    conn: AsyncConnection,
+    line: ReturnLine,
+    *,
+    source: Literal["notification", "statement"],
+    message_id: str | None,
+    body: dict[str, Any],
+    lease_seconds: float,
+    window: date | None = None,
+) -> Recorded:
+    """The inbox row and the return's whole effect, in the caller's transaction (run it with `atomic`).
+
+    Durable after commit (applied): the inbox row, the payment `returned`,
+    the `payout_returned` posting, the `payment.returned` event and the
+    compensation's key row at EXT4_SENT, leased to the caller. (Unmatched or
+    unexpected: the inbox row and a reconciliation break.)
+    Crash before commit: nothing of it; the rail delivers the notification
+    again (or reconciliation reads the return line), and it is applied then.
+    Crash after commit: every later delivery is a duplicate, dropped; the
+    compensation's lease runs out and the recovery worker drives the refund.
+    Running it again is safe: the inbox INSERT conflicts and nothing else is
+    written. Raises ReturnTooEarly (nothing written) when the transfer's
+    outcome is not recorded yet.
+    """
+    key = inbox_key(line.return_id)
+    # The payment row is locked first, so that two deliveries of one return
+    # (or a delivery and the statement) queue here, and a phase recording
+    # the transfer's outcome at this moment commits before we read it.
+    row = (await conn.execute(_LOCK_PAYMENT, dict(e2e=line.end_to_end_reference))).mappings().one_or_none()
+    payment = None if row is None else Payment(**row)
+    outcome, detail = _decide(payment, line)
+    if outcome == "too_early":
+        # Before the inbox insert: a duplicate is never too early (an
+        # applied return left the payment returned, not processing).
+        raise ReturnTooEarly(detail)
+    inserted = (
+        await conn.execute(
+            _INBOX,
+            dict(inbox_key=key, source=source, message_id=message_id, return_id=line.return_id,
+                 e2e=line.end_to_end_reference, reason_code=line.reason_code, outcome=outcome,
+                 payment_id=None if outcome == "unmatched" or payment is None else payment.id,
+                 body=json.dumps(body)),
+        )
+    ).one_or_none()
+    if inserted is None:
+        seen = (await conn.execute(_DUPLICATE, dict(inbox_key=key))).mappings().one()
+        compensation = None
+        if seen["outcome"] == "applied" and payment is not None:
+            compensation = (payment.client_id, compensation_key(seen["return_id"]))
+        return Recorded("duplicate", payment, compensation=compensation, detail=f"{key} was recorded before")
+    if outcome != "applied":
+        await conn.execute(
+            _BREAK,
+            dict(window_start=window, kind=f"{outcome}_return", e2e=line.end_to_end_reference,
+                 payment_id=None if payment is None else payment.id,
+                 details=json.dumps({"source": source, "message_id": message_id, "return": line.model_dump(),
+                                     "why": detail})),
+        )
+        log.warning("return %s of %s: %s (%s), recorded as a break", line.return_id, line.end_to_end_reference,
+                    outcome, detail)
+        return Recorded(outcome, payment, detail=detail)
+    assert payment is not None
+    op = await _apply(conn, payment, line, lease_seconds)
+    return Recorded("applied", op.payment, operation=op)
+
+
+async def _apply(conn: AsyncConnection, payment: Payment, line: ReturnLine, lease_seconds: float) -> Operation:
+    comp_key = compensation_key(line.return_id)
+    refund_key = derived_key(payment.client_id, comp_key, STEP_RETURN_REFUND)
+    row = (
+        await conn.execute(
+            _RETURNED,
+            dict(id=payment.id, return_id=line.return_id, reason_code=line.reason_code, refund_key=refund_key),
+        )
+    ).mappings().one()
+    returned = Payment(**row)
+    await conn.execute(
+        _POSTED,
+        dict(payment_id=returned.id, currency=returned.currency,
+             **postings.legs("payout_returned", postings.payout_returned(returned))),
+    )
+    await events.emit(
+        conn, client_id=returned.client_id, payment_id=returned.id,
+        event_type=events.RETURNED, data=PaymentView.of(returned).body(),
+    )
+    token = (
+        await conn.execute(
+            _COMPENSATION,
+            dict(client_id=returned.client_id, key=comp_key, endpoint=COMPENSATION_ENDPOINT,
+                 request_hash=hashlib.sha256(inbox_key(line.return_id).encode()).digest(),
+                 recovery_point=EXT4_SENT, payment_id=returned.id, lease_seconds=lease_seconds,
+                 event=f"returned by the rail ({line.reason_code})"),
+        )
+    ).scalar_one()
+    return Operation(Lease(returned.client_id, comp_key, token), EXT4_SENT, returned, resumed=False)
+
+
+async def compensate(services: Services, op: Operation) -> Finished | Pending | None:
+    """Drive the compensation this caller owns; None if it was taken over (its new owner finishes it)."""
+    try:
+        return await drive(services, op)
+    except LeaseLost:
+        return None
+
+
+async def resume(services: Services, client_id: int, key: str) -> Finished | Pending | None:
+    """Take over a compensation whose owner is gone and drive it, as a retry would; None if it is not ours to."""
+    op = await atomic(services.engine, phases.take_over, client_id, key, services.settings.lease_seconds)
+    if op is None:
+        return None  # finished, or someone holds a live lease
+    return await compensate(services, op)
