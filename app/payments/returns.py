@@ -156,7 +156,12 @@ _COMPENSATION = text(
             jsonb_build_array(jsonb_build_object(
                 'at', now(), 'event', CAST(:event AS text),
                 'recovery_point', CAST(:recovery_point AS text), 'attempt', 1)))
-    ON CONFLICT (client_id, key) DO NOTHING
+    -- No ON CONFLICT, and no claim_idempotency_key: this key is new by
+    -- construction. It is written only in the transaction that inserts the
+    -- return's inbox row (rail_message, unique per return): a second writer
+    -- of the same return waits on that row, finds it, and never gets here;
+    -- and no client can send a key starting with '@'. (A conflict here
+    -- would be a bug, and is raised.)
     RETURNING lease_token
     """
 )

@@ -25,6 +25,9 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 PAGE_SIZE = 50
+# The endpoint a client's payment is claimed under (app/payments/phases.py::ENDPOINT,
+# not imported: the read model sits beside the payments package, not above it).
+PAYMENT_ENDPOINT = "POST /v1/payments"
 STATES = ("started", "finished")
 
 
@@ -107,6 +110,10 @@ async def operations(
     """A page of operations, newest first, older than `before` (a payment id) if given."""
     clauses, params = filters.where()
     clauses.append("k.payment_id IS NOT NULL")
+    # A client's payments; a return's compensation (a key row of its own,
+    # for the same payment) is shown on its payment's page instead, so each
+    # payment id appears once in the keyset order.
+    clauses.append(f"k.endpoint = '{PAYMENT_ENDPOINT}'")
     if before is not None:
         clauses.append("k.payment_id < :before")
         params["before"] = before
@@ -162,6 +169,9 @@ class Operation:
     payment: dict[str, Any]
     ledger: list[LedgerEntry]
     breaks: list[dict[str, Any]] = field(default_factory=list)
+    # Operations started for this payment after it finished: the card refund
+    # that compensates a payout the rail returned (app/payments/returns.py).
+    compensations: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def totals(self) -> dict[str, tuple[int, int]]:
@@ -201,14 +211,24 @@ _OPERATION = text(
                         ORDER BY e.id)
                        FROM ledger_entry e WHERE e.payment_id = p.id), '[]') AS ledger,
            coalesce((SELECT jsonb_agg(to_jsonb(b) ORDER BY b.id)
-                       FROM reconciliation_break b WHERE b.payment_id = p.id), '[]') AS breaks
+                       FROM reconciliation_break b WHERE b.payment_id = p.id), '[]') AS breaks,
+           coalesce((SELECT jsonb_agg(jsonb_build_object(
+                        'key', x.key, 'state', x.state, 'recovery_point', x.recovery_point,
+                        'attempts', x.attempts, 'parked', x.parked_at IS NOT NULL, 'last_error', x.last_error,
+                        'timeline', x.timeline) ORDER BY x.created_at)
+                       FROM idempotency_key x
+                      WHERE x.payment_id = p.id AND x.endpoint <> '{PAYMENT_ENDPOINT}'), '[]') AS compensations
       FROM payment p
       JOIN idempotency_key k ON k.client_id = p.client_id AND k.payment_id = p.id
+                            AND k.endpoint = '{PAYMENT_ENDPOINT}'
       JOIN client c ON c.id = k.client_id
      WHERE p.id = :payment_id
     """
 )
-_OPERATION_FIELDS = {"endpoint", "next_attempt_at", "response_code", "finished_at", "timeline", "payment", "ledger", "breaks"}
+_OPERATION_FIELDS = {
+    "endpoint", "next_attempt_at", "response_code", "finished_at", "timeline", "payment", "ledger", "breaks",
+    "compensations",
+}
 
 
 async def operation(conn: AsyncConnection, payment_id: uuid.UUID) -> Operation | None:
@@ -229,6 +249,7 @@ async def operation(conn: AsyncConnection, payment_id: uuid.UUID) -> Operation |
         payment=row["payment"],
         ledger=ledger,
         breaks=row["breaks"],
+        compensations=row["compensations"],
     )
 
 

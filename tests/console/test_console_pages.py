@@ -234,3 +234,31 @@ async def test_the_webhooks_page_and_the_operation_page_show_each_delivery_and_i
     assert ">dead</span>" in page and "#1 dead 500 http_status 12 ms" in page
     # An unknown state is not an error: the page falls back to the dead ones.
     assert (await http.get(console_api.url + "/console/webhooks?state=<x>", headers=OPERATOR)).status_code == 200
+
+
+async def test_a_returned_payout_shows_once_in_the_list_and_its_compensation_on_its_page(
+    http, stack, console_api, db, acme
+):
+    from tests.support import payments_for, until
+
+    body = payment_body()
+    paid = await http.post(f"{stack.api}/v1/payments", json=body, headers=headers(acme, str(uuid.uuid4())))
+    assert paid.status_code == 201 and paid.json()["status"] == "succeeded"
+    payment_id = paid.json()["id"]
+    returned = await http.post(stack.rail.url + "/_admin/return", json={
+        "end_to_end_reference": paid.json()["end_to_end_reference"], "reason_code": "AC04"})
+    assert returned.status_code == 201, returned.text
+
+    async def refunded() -> bool:
+        return (await payments_for(db, body["reference"]))[0]["status"] == "refunded"
+
+    await until(refunded, "the return to be applied and compensated")
+    # Two key rows now name this payment: the client's and the compensation's.
+    assert await db.fetchval("SELECT count(*) FROM idempotency_key WHERE payment_id = $1", uuid.UUID(payment_id)) == 2
+
+    listed = (await http.get(console_api.url + "/console", headers=OPERATOR)).text
+    assert listed.count(f'href="/console/payments/{payment_id}"') == 1, "the payment is listed once"
+    page = await http.get(console_api.url + f"/console/payments/{payment_id}", headers=OPERATOR)
+    assert page.status_code == 200
+    assert "Compensation" in page.text and f"@return:{returned.json()['return_id']}" in page.text
+    assert "payout_returned" in page.text and ">refunded</span>" in page.text

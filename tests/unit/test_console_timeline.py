@@ -75,3 +75,10 @@ def test_the_last_call_of_an_unfinished_operation_is_in_flight_or_waiting():
 
     assert layout(timeline, PAYMENT, finished=False, lease_live=True).calls[0].outcome == "in flight (lease live)"
     assert layout(timeline, PAYMENT, finished=False, lease_live=False).calls[0].result == "pending"
+
+
+def test_the_read_model_names_the_payment_endpoint_the_service_claims_under():
+    from app.payments.phases import ENDPOINT
+    from app.readmodel.queries import PAYMENT_ENDPOINT
+
+    assert PAYMENT_ENDPOINT == ENDPOINT
