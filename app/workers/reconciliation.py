@@ -158,7 +158,8 @@ async def _reconcile(services: Services, run: RunLease) -> dict[str, Any]:
             # Not guessed at (an unknown reason code, say): left for a person.
             # Its ids only: a line we cannot read may carry anything (a name, an IBAN).
             log.error("return line refused, not one the rail documents: return %s of %s (%s)",
-                      line.get("return_id"), line.get("end_to_end_reference"), exc.errors()[0]["msg"])
+                      *((line.get("return_id"), line.get("end_to_end_reference")) if isinstance(line, dict)
+                        else ("?", "?")), exc.errors()[0]["msg"])
             counts["return_lines_refused"] += 1
             continue
         counts[await _return_line(services, run, parsed)] += 1
