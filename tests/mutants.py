@@ -94,7 +94,7 @@ MUTANTS = (
                 "app/payments/sql.py",
                 "           AND lease_token = :token AND state = 'started'\n        RETURNING payment_id",
                 "           AND state = 'started'\n        RETURNING payment_id",
-                count=5,  # their written-out copies, in every hot-path statement
+                count=6,  # their written-out copies, in every hot-path statement (a return's refund too)
             ),
         ),
         (
@@ -218,6 +218,7 @@ MUTANTS = (
                 "app/payments/runner.py",
                 "        send=lambda s, p: s.psp.refund(p.psp_refund_key, p),",
                 "        send=lambda s, p: s.psp.refund(__import__('uuid').uuid4().hex, p),  # MUTANT: a fresh key",
+                count=2,  # the refund of a rejected payout (K3) and of a returned one (K4)
             ),
         ),
         (
