@@ -36,8 +36,6 @@ bench/results/one_payment.pgbench.
 pgbench's payments belong to a client of their own, `pgbench`, so the
 exactly-once checks (which look at the load generator's client only) never
 see them. They stay in payments_bench, which every bench run creates afresh.
-(Deleting them would take minutes: nothing indexes idempotency_key.payment_id,
-so each deleted payment's foreign-key check scans the whole key table.)
 """
 
 from __future__ import annotations
