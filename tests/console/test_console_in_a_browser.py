@@ -53,10 +53,13 @@ async def test_a_person_sees_the_takeover_the_balanced_ledger_and_the_rails_reco
         chrome.find_element(By.NAME, "token").send_keys(OPERATOR_TOKEN)
         chrome.find_element(By.ID, "login").click()
 
-        assert chrome.find_element(By.TAG_NAME, "h1").text == "Recent operations"
+        # A click that submits a form or follows a link returns before the
+        # next page is there: wait for that page (an element of the old one
+        # read meanwhile goes stale), as a person waits for it to load.
+        page_shows(chrome, By.TAG_NAME, "h1", "Recent operations")
         chrome.find_element(By.LINK_TEXT, key).click()
 
-        assert chrome.find_element(By.ID, "key").text == key
+        page_shows(chrome, By.ID, "key", key)
         assert chrome.find_element(By.ID, "attempts").text == "2"
         drawn = [t.text for t in chrome.find_elements(By.CSS_SELECTOR, "svg#timeline text")]
         assert "taken over" in drawn
@@ -68,3 +71,14 @@ async def test_a_person_sees_the_takeover_the_balanced_ledger_and_the_rails_reco
         transfer = chrome.find_element(By.CSS_SELECTOR, "#records tr.transfer").text
         assert payment["psp_charge_id"] in charge and "the same record" in charge
         assert payment["rail_transfer_id"] in transfer and "accepted" in transfer and "the same record" in transfer
+
+
+def page_shows(chrome, by: str, value: str, text: str, timeout: float = 15.0) -> None:
+    """Wait until the element (`by`, `value`) of the page being loaded says `text`."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(chrome, timeout, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)).until(
+        lambda driver: driver.find_element(by, value).text == text,
+        f"the page to show {text!r} in {value}",
+    )
