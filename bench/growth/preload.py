@@ -209,7 +209,8 @@ SELECT d.client_id, d.key, (d.created_at AT TIME ZONE 'UTC')::date, k.endpoint,
                 WHEN 'failed' THEN '{{"stage":"payout","code":"account_closed","message":"The payout did not reach '
                                    'the beneficiary; the charge was refunded in full."}}'
                 ELSE 'null' END,
-           rtrim(rtrim(to_char(d.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US'), '0'), '.') || 'Z')
+           -- As pydantic writes it: all six digits of the microseconds, none when they are all zero.
+           replace(to_char(d.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US') || 'Z', '.000000Z', 'Z'))
        END,
        CASE d.outcome
             WHEN 'succeeded' THEN jsonb_build_array(
