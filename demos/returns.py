@@ -33,13 +33,12 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import typer
-from rich.panel import Panel
 from rich.table import Table
 
 from app.outbox.endpoints import new_secret
 from demos.reconcile import Checks
 from demos.story import step, terminal
-from demos.system import DemoError, System, payment_body
+from demos.system import DemoError, System, payment_body, run_demo
 
 console = terminal()
 DAYS_LATER = 3
@@ -184,32 +183,12 @@ def main() -> None:
     """A payout returned days later: the duplicate notification dropped, the compensation, the merchant's webhook."""
     system = System()
     system.settings["RAIL_NOTIFICATION_SECRET"] = "whsec_" + base64.b64encode(os.urandom(32)).decode()
-    demo: Demo | None = None
-    error: str | None = None
-    try:
-        with console.status("starting PostgreSQL, the payments_demo database, the fakes and the fake merchant"):
-            system.start(rail_args=("--cutoff", "24:00"))
-        demo = Demo(system)
-        demo.run()
-    except (DemoError, httpx.HTTPError, ValueError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        console.print(Panel(error, title="the demo could not go on", border_style="red"))
-    except KeyboardInterrupt:
-        console.print("\ninterrupted")
-        raise typer.Exit(130) from None
-    finally:
-        with console.status("stopping every process this demo started"):
-            if demo is not None:
-                demo.http.close()
-            system.stop()
-    console.print(f"[dim]process logs: {system.logs}[/]")
-    checks = demo.checks if demo else None
-    if error is None and checks is not None and checks.passed:
-        console.print(f"[bold green]PASS[/] returns: {len(checks.rows)} checks; the return applied once through "
-                      "our inbox, refunded once, the merchant told")
-        return
-    console.print("[bold red]FAIL[/] returns" + (f": {error}" if error else ": see the checks above"))
-    raise typer.Exit(1)
+    run_demo(
+        console, system, Demo, name="returns",
+        starting="starting PostgreSQL, the payments_demo database, the fakes and the fake merchant",
+        passed="the return applied once through our inbox, refunded once, the merchant told",
+        start_args=("--cutoff", "24:00"),
+    )
 
 
 if __name__ == "__main__":

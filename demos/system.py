@@ -159,3 +159,41 @@ def session(console: Any, system: System, rail_args: tuple[str, ...] = ()) -> It
         with console.status("stopping every process this demo started"):
             system.stop()
         console.print(f"[dim]process logs: {system.logs}[/]")
+
+
+def run_demo(
+    console: Any, system: System, demo_class: Any, *, name: str, starting: str, passed: str,
+    start_args: tuple[str, ...] = (),
+) -> None:
+    """Start `system`, run `demo_class(system)`, always stop every process, then print PASS or FAIL (exit 1).
+
+    The frame the webhook and return demos share: whatever happens in the
+    demo (a check failing, a peer not answering, Ctrl-C), nothing it started
+    outlives it, and the verdict comes from its checks alone.
+    """
+    from rich.panel import Panel
+
+    demo = None
+    error: str | None = None
+    try:
+        with console.status(starting):
+            system.start(rail_args=start_args)
+        demo = demo_class(system)
+        demo.run()
+    except (DemoError, httpx.HTTPError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        console.print(Panel(error, title="the demo could not go on", border_style="red"))
+    except KeyboardInterrupt:
+        console.print("\ninterrupted")
+        raise typer.Exit(130) from None
+    finally:
+        with console.status("stopping every process this demo started"):
+            if demo is not None:
+                demo.http.close()
+            system.stop()
+    console.print(f"[dim]process logs: {system.logs}[/]")
+    if error is None and demo is not None and demo.checks.passed:
+        console.print(f"[bold green]PASS[/] {name}: {len(demo.checks.rows)} checks; {passed}")
+        return
+    console.print(f"[bold red]FAIL[/] {name}" + (f": {error}" if error else ": see the checks above"))
+    raise typer.Exit(1)

@@ -31,7 +31,7 @@ from rich.table import Table
 from app.outbox.endpoints import new_secret
 from demos.reconcile import Checks
 from demos.story import step, terminal
-from demos.system import DemoError, System, payment_body
+from demos.system import DemoError, System, payment_body, run_demo
 
 console = terminal()
 POINT = "webhook-after-delivery"
@@ -148,32 +148,10 @@ class Demo:
 def main() -> None:
     """A payment's webhook, a dispatcher killed mid-delivery, and the merchant's inbox applying it once."""
     system = System()
-    demo: Demo | None = None
-    error: str | None = None
-    try:
-        with console.status("starting PostgreSQL, the payments_demo database, the fakes and the fake merchant"):
-            system.start()
-        demo = Demo(system)
-        demo.run()
-    except (DemoError, httpx.HTTPError, ValueError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        console.print(Panel(error, title="the demo could not go on", border_style="red"))
-    except KeyboardInterrupt:
-        console.print("\ninterrupted")
-        raise typer.Exit(130) from None
-    finally:
-        with console.status("stopping every process this demo started"):
-            if demo is not None:
-                demo.http.close()
-            system.stop()
-    console.print(f"[dim]process logs: {system.logs}[/]")
-    checks = demo.checks if demo else None
-    if error is None and checks is not None and checks.passed:
-        console.print(f"[bold green]PASS[/] webhooks: {len(checks.rows)} checks; delivered twice across a crash, "
-                      "applied once by the merchant's inbox")
-        return
-    console.print("[bold red]FAIL[/] webhooks" + (f": {error}" if error else ": see the checks above"))
-    raise typer.Exit(1)
+    run_demo(
+        console, system, Demo, name="webhooks",
+        starting="starting PostgreSQL, the payments_demo database, the fakes and the fake merchant",
+        passed="delivered twice across a crash, applied once by the merchant's inbox")
 
 
 if __name__ == "__main__":
