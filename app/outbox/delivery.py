@@ -12,9 +12,11 @@ runs these three steps for each due delivery, and nothing else does:
              webhook-signature) and POST, with no transaction and no pooled
              connection held.
     record   one statement, fenced by the lease token: the delivery's new
-             state and the attempt's outcome (status, latency, error class).
-             A dispatcher whose lease ran out (it stalled, and the delivery was
-             claimed again) records nothing.
+             state and the attempt's outcome (status, latency, error class),
+             for every attempt that finished since the last record (each row
+             fenced by its own token). A dispatcher whose lease ran out (it
+             stalled, and the delivery was claimed again) records nothing of
+             that delivery.
 
 What can go wrong, and what it costs: a dispatcher that dies after the POST
 and before the record leaves the delivery leased; once the lease runs out it
@@ -134,27 +136,39 @@ _CLAIM = text(
     """
 )
 
+# Every attempt that finished since the last record, in one statement
+# (app/workers/webhooks.py::Recorder): the arrays are zipped row by row,
+# and each row is fenced by its own lease token, exactly as if it were
+# recorded alone; a row whose lease was taken over writes nothing and is
+# missing from what the statement returns.
 _RECORD = text(
     """
-    WITH fence AS (
-        UPDATE webhook_delivery
-           SET state = :state,
+    WITH answer AS (
+        SELECT *
+          FROM unnest(CAST(:event_ids AS uuid[]), CAST(:tokens AS uuid[]), CAST(:states AS text[]),
+                      CAST(:outcomes AS text[]), CAST(:retry_ins AS float8[]), CAST(:status_codes AS int[]),
+                      CAST(:latencies AS float8[]), CAST(:error_classes AS text[]), CAST(:errors AS text[]))
+               AS a(event_id, token, state, outcome, retry_in, status_code, latency_ms, error_class, error)
+    ), fence AS (
+        UPDATE webhook_delivery d
+           SET state = a.state,
                lease_token = NULL,
                lease_expires_at = NULL,
-               next_attempt_at = now() + make_interval(secs => :retry_in),
-               last_status = :status_code,
-               last_error = :error,
-               delivered_at = CASE WHEN CAST(:state AS text) = 'delivered' THEN now() END,
+               next_attempt_at = now() + make_interval(secs => a.retry_in),
+               last_status = a.status_code,
+               last_error = a.error,
+               delivered_at = CASE WHEN a.state = 'delivered' THEN now() END,
                updated_at = now()
-         WHERE event_id = :event_id AND lease_token = :token AND state = 'pending'
-        RETURNING event_id, attempts
+          FROM answer a
+         WHERE d.event_id = a.event_id AND d.lease_token = a.token AND d.state = 'pending'
+        RETURNING d.event_id, d.attempts
     )
-    UPDATE webhook_attempt a
-       SET finished_at = now(), outcome = :outcome, status_code = :status_code, latency_ms = :latency_ms,
-           error_class = :error_class, error = :error
-      FROM fence
-     WHERE a.event_id = fence.event_id AND a.attempt = fence.attempts
-    RETURNING a.event_id
+    UPDATE webhook_attempt w
+       SET finished_at = now(), outcome = a.outcome, status_code = a.status_code, latency_ms = a.latency_ms,
+           error_class = a.error_class, error = a.error
+      FROM fence f JOIN answer a ON a.event_id = f.event_id
+     WHERE w.event_id = f.event_id AND w.attempt = f.attempts
+    RETURNING w.event_id
     """
 )
 
@@ -205,20 +219,39 @@ async def claim(conn: AsyncConnection, *, limit: int, lease_seconds: float) -> l
     return [Claimed(**row) for row in rows.mappings()]
 
 
-async def record(conn: AsyncConnection, claimed: Claimed, answer: Answer, decision: Decision) -> None:
-    """The attempt's outcome and the delivery's next state, or LeaseLost (nothing written)."""
-    row = (
-        await conn.execute(
-            _RECORD,
-            dict(
-                event_id=claimed.event_id, token=claimed.lease_token, state=_STATE[decision.outcome],
-                outcome=decision.outcome, retry_in=decision.retry_in, status_code=answer.status_code,
-                latency_ms=answer.latency_ms, error_class=answer.error_class, error=answer.error,
-            ),
-        )
-    ).one_or_none()
-    if row is None:
-        raise LeaseLost(f"delivery of event {claimed.event_id} was claimed again; this attempt is not recorded")
+@dataclass(frozen=True)
+class Attempted:
+    """One finished attempt, waiting to be recorded: the delivery, what the POST came to, what follows."""
+
+    claimed: Claimed
+    answer: Answer
+    decision: Decision
+
+
+async def record(conn: AsyncConnection, attempts: list[Attempted]) -> set[uuid.UUID]:
+    """Each attempt's outcome and its delivery's next state, in one statement; the event ids recorded.
+
+    An event id missing from the result was claimed again after this
+    dispatcher's lease on it ran out: nothing of that attempt was written
+    (the caller raises LeaseLost for it).
+    """
+    if not attempts:
+        return set()
+    rows = await conn.execute(
+        _RECORD,
+        dict(
+            event_ids=[a.claimed.event_id for a in attempts],
+            tokens=[a.claimed.lease_token for a in attempts],
+            states=[_STATE[a.decision.outcome] for a in attempts],
+            outcomes=[a.decision.outcome for a in attempts],
+            retry_ins=[a.decision.retry_in for a in attempts],
+            status_codes=[a.answer.status_code for a in attempts],
+            latencies=[a.answer.latency_ms for a in attempts],
+            error_classes=[a.answer.error_class for a in attempts],
+            errors=[a.answer.error for a in attempts],
+        ),
+    )
+    return {row.event_id for row in rows}
 
 
 async def redeliver(conn: AsyncConnection, event_id: uuid.UUID) -> bool:

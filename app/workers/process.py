@@ -27,6 +27,8 @@ import asyncio
 import logging
 import signal
 
+import uvloop
+
 from app.config import Settings
 from app.observability import metrics
 from app.services import open_services
@@ -71,7 +73,10 @@ def main(settings: Settings) -> bool:
         await run(settings, stop)
 
     try:
-        asyncio.run(go())
+        # uvloop, as uvicorn gives the API: the dispatcher's POSTs and the
+        # loops' statements spend less CPU in the event loop on it.
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(go())
     finally:
         stop_serving()
     return True
