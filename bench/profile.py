@@ -1,6 +1,6 @@
 """Where an API process spends its CPU under the bench's load: py-spy, summarised.
 
-    .venv/bin/python -m bench.profile [--variant phased|naive] [--replays] [--duration 10] [--workers 1]
+    .venv/bin/python -m bench.profile [--variant phased|unwatched|naive] [--replays] [--duration 10] [--workers 1]
 
 Starts the same system as `make bench` (its own databases, the fakes, one
 API), drives it with the bench's load generator, and meanwhile samples the
@@ -38,7 +38,7 @@ from rich.table import Table
 
 from bench.load import Load
 from bench.system import (
-    BIN, NAIVE, PHASED, RESULTS, apis, console, database_server, fakes, prepare_databases, running,
+    BIN, NAIVE, PHASED, RESULTS, UNWATCHED, apis, console, database_server, fakes, prepare_databases, running,
 )
 
 _FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
@@ -114,7 +114,7 @@ def print_summary(summary: dict[str, list[tuple[str, float]]], title: str) -> No
 
 
 def main(
-    variant: str = typer.Option(PHASED, help="phased or naive."),
+    variant: str = typer.Option(PHASED, help="phased, unwatched (metrics and logs off) or naive."),
     replays: bool = typer.Option(False, "--replays", help="Profile replays of finished payments (phased only)."),
     duration: float = typer.Option(10.0, min=1, help="Seconds of sampling."),
     warmup: float = typer.Option(3.0, min=0, help="Seconds of load before sampling starts."),
@@ -122,8 +122,8 @@ def main(
     workers: int = typer.Option(1, min=1, help="Worker processes (>1: every worker is sampled)."),
 ) -> None:
     """Profile one API under the bench's load with py-spy, and summarise where its CPU goes."""
-    if variant not in (PHASED, NAIVE) or (replays and variant != PHASED):
-        raise typer.BadParameter("--variant is phased or naive; --replays needs phased")
+    if variant not in (PHASED, UNWATCHED, NAIVE) or (replays and variant == NAIVE):
+        raise typer.BadParameter("--variant is phased, unwatched or naive; --replays needs phased or unwatched")
     py_spy = shutil.which("py-spy") or str(BIN / "py-spy")
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     output = RESULTS / f"profile-{variant}{'-replays' if replays else ''}-{stamp}.txt"

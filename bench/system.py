@@ -211,14 +211,18 @@ PHASED, NAIVE = "phased", "naive"
 # (metrics on, logging at INFO, the defaults) it prices watching the
 # service (docs/operations.md#what-watching-costs).
 UNWATCHED = "unwatched"
-VARIANTS = (PHASED, UNWATCHED, NAIVE)
+# The phased service again, paid by the client with a webhook endpoint. It
+# runs in an API process of its own, with PHASED's settings, so that the
+# watched and unwatched processes serve the same requests and nothing else:
+# a comparison of watching that is like for like.
+WEBHOOKS = "webhooks"
+VARIANTS = (PHASED, UNWATCHED, WEBHOOKS, NAIVE)
 SETTINGS = {
     PHASED: {"METRICS_ENABLED": "true", "LOG_LEVEL": "INFO", "LOG_FORMAT": "json"},
     UNWATCHED: {"METRICS_ENABLED": "false", "LOG_LEVEL": "WARNING", "LOG_FORMAT": "json"},
     NAIVE: {},
 }
-# The phased service again, paid by the client with a webhook endpoint.
-WEBHOOKS = "webhooks"
+SETTINGS[WEBHOOKS] = SETTINGS[PHASED]
 
 
 @contextmanager
@@ -256,7 +260,7 @@ def apis(service_url: str, psp: Service, rail: Service, workers: int) -> dict[st
     system.database_url, system.psp, system.rail = service_url, psp, rail
     # uvicorn runs a single worker in its own process, and N > 1 in children of a master.
     processes = 1 if workers == 1 else workers + 1
-    command = {PHASED: "api", UNWATCHED: "api", NAIVE: "naive-api"}
+    command = {PHASED: "api", UNWATCHED: "api", WEBHOOKS: "api", NAIVE: "naive-api"}
     return {
         variant: Service.of(
             system.api_process(command=command[variant], args=("--workers", str(workers)), **SETTINGS[variant]),

@@ -34,8 +34,9 @@ The check that matters for correctness: every live row of the dropped day
 
 from __future__ import annotations
 
+import asyncio
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import date, datetime, timedelta
 from typing import Any
 
@@ -101,10 +102,43 @@ class Removal:
     # started row, DROP TABLE, COMMIT), without the plan's count and the move before it.
     drop_seconds: float | None = None
     drop_wal_bytes: int | None = None
+    # The drop only: a replay's key lookup through the key table, from
+    # another connection, over and over while the drop's transaction ran
+    # (seconds each). The drop locks the key table: these say for how long
+    # a request on it waited.
+    lookups: list[float] = field(default_factory=list)
+
+    def lookup_summary(self) -> dict[str, Any]:
+        if not self.lookups:
+            return {"count": 0}
+        ordered = sorted(self.lookups)
+        return {"count": len(ordered), "median_ms": round(ordered[len(ordered) // 2] * 1000, 2),
+                "slowest_ms": round(ordered[-1] * 1000, 2)}
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"before": asdict(self.before) | {"total": self.before.total},
-                               "after": asdict(self.after) | {"total": self.after.total}}
+                               "after": asdict(self.after) | {"total": self.after.total},
+                               "lookups": self.lookup_summary()}
+
+
+# Between two lookups: about 200 a second, enough to see a wait of a few
+# milliseconds without taking a CPU from the drop being measured.
+LOOKUP_PACE_SECONDS = 0.005
+
+
+async def look_up_while(url: str, stop: asyncio.Event, client_id: int, key: str) -> list[float]:
+    """Time a replay's lookup of one key (`client_id`, `key`) again and again until `stop`."""
+    conn = await asyncpg.connect(url)
+    took = []
+    try:
+        while not stop.is_set():
+            started = time.monotonic()
+            await conn.fetchval("SELECT state FROM idempotency_key WHERE client_id = $1 AND key = $2", client_id, key)
+            took.append(time.monotonic() - started)
+            await asyncio.sleep(LOOKUP_PACE_SECONDS)
+    finally:
+        await conn.close()
+    return took
 
 
 async def _live_keys(conn: asyncpg.Connection, name: str, cutoff: datetime) -> list[tuple[int, str]]:
@@ -126,9 +160,16 @@ async def drop_day(url: str, conn: asyncpg.Connection, day: date, reap_retention
     # the real partitions.drop_if_dead (which runs unchanged): the reaper
     # first counts the day's rows and moves its live ones out, then drops.
     real_drop, drop_started = partitions.drop_if_dead, []
+    # A key of today's partition, which the drop leaves alone: a request
+    # for it waits only if the drop's lock holds up the whole key table.
+    today = partition_name(await conn.fetchval("SELECT key_table_day()"))
+    today_key = await conn.fetchrow(f"SELECT client_id, key FROM {today} LIMIT 1")
+    stop_looking, lookups = asyncio.Event(), []
 
     async def marked(*args: Any) -> bool:
         drop_started.append((time.monotonic(), await wal_lsn(conn)))
+        if today_key is not None:
+            lookups.append(asyncio.create_task(look_up_while(url, stop_looking, *today_key)))
         return await real_drop(*args)
 
     partitions.drop_if_dead = marked
@@ -138,7 +179,9 @@ async def drop_day(url: str, conn: asyncpg.Connection, day: date, reap_retention
         ended, end_lsn = time.monotonic(), await wal_lsn(conn)
     finally:
         partitions.drop_if_dead = real_drop
+        stop_looking.set()
         await engine.dispose()
+    took = (await lookups[0]) if lookups else []
     wal = await wal_between(conn, lsn, end_lsn)
     drop_seconds = drop_wal = None
     if drop_started:
@@ -154,7 +197,7 @@ async def drop_day(url: str, conn: asyncpg.Connection, day: date, reap_retention
               f"{len(live)} live before, {moved} moved, {still_there} found after"),
     ]
     removal = Removal("drop (the reaper)", name, rows, rows - moved, moved, ended - started, wal, before,
-                      await sizes(conn, name), drop_seconds=drop_seconds, drop_wal_bytes=drop_wal)
+                      await sizes(conn, name), drop_seconds=drop_seconds, drop_wal_bytes=drop_wal, lookups=took)
     return removal, checks
 
 

@@ -195,6 +195,10 @@ def print_removal(results: dict[str, Any]) -> None:
                   fmt(_ratio(delete["wal_bytes"], drop["wal_bytes"]), 0, "×"))
     table.add_row("  of the reap, its drop transaction: time (s), WAL",
                   f"{fmt(drop.get('drop_seconds'), 3)}, {_bytes(drop.get('drop_wal_bytes'))}", "", "")
+    looked = drop.get("lookups") or {}
+    if looked.get("count"):
+        table.add_row("  meanwhile, a key of today looked up: times, median / slowest (ms)",
+                      f"{looked['count']}, {fmt(looked['median_ms'], 1)} / {fmt(looked['slowest_ms'], 1)}", "", "")
     table.add_row("then VACUUM of the partition: time (s), WAL", "-",
                   f"{fmt(delete['vacuum_seconds'], 2)}, {_bytes(delete['vacuum_wal_bytes'])}", "")
     for part in ("heap", "indexes"):
