@@ -159,8 +159,20 @@ async def test_two_api_processes_count_payments_replays_409s_422s_parks_and_a_ta
     payment_id = first.json()["id"]
     assert (await http.get(f"{url}{PAYMENTS}/{payment_id}", headers=acme.auth)).status_code == 200
 
+    # Each process writes what its requests counted once a second
+    # (app/observability/metrics.py::flush): wait for the other's last one.
+    scrapes = 0
+
+    async def counted() -> Samples | None:
+        nonlocal scrapes
+        scrapes += 1
+        samples = await scrape(http, url)
+        return samples if requests(samples, "201") == 1 + 20 + 1 + 1 else None
+
+    await until(counted, "both processes to have written their counts")
     for _ in range(4):  # whichever process answers the scrape, the same sums
         samples = await scrape(http, url)
+        scrapes += 1
         assert value(samples, "payments_started_total") == 3  # not 1003: the old files were removed
         assert value(samples, "payments_finished_total", status="succeeded") == 3
         assert value(samples, "payments_replays_total", answered_by="shortcut") == 20
@@ -186,7 +198,13 @@ async def test_two_api_processes_count_payments_replays_409s_422s_parks_and_a_ta
     assert not any(payment_id in v or key in v for v in labels)
     # The two processes' own files: what the scrapes added up.
     assert sum(per_process(directory, "201")) == 23
-    assert sum(health) == requests(samples, "200", route="/healthz", method="GET")
+    assert len(health) == 2
+    assert sum(per_process(directory, "200", route="/healthz", method="GET")) == requests(
+        samples, "200", route="/healthz", method="GET")
+    # A process that stops writes what it had not yet: every scrape is in
+    # the files, the last one too (counted after its answer was sent).
+    api.stop()
+    assert sum(per_process(directory, "200", route="/metrics", method="GET")) == scrapes
 
 
 async def test_the_worker_serves_its_own_metrics_of_what_it_recovered_and_what_is_parked(
