@@ -297,7 +297,8 @@ def session(*, max_connections: int) -> aiohttp.ClientSession:
 
     aiohttp directly, not httpx's interface over it as the rails use
     (app/rails/transport.py): a webhook needs no more than a status and one
-    header, and two HTTP stacks per POST were most of the dispatcher's CPU.
+    header, and httpx's layer on top cost about as much CPU as aiohttp
+    itself (py-spy, on the dispatcher: 17% of its samples against 20%).
     Created in the running loop (aiohttp asks for it); the caller closes it.
     """
     return aiohttp.ClientSession(
