@@ -28,14 +28,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import httpx
+import aiohttp
 
 from app.db.errors import database_unavailable, describe, loggable
 from app.db.transaction import one_statement
 from app.outbox import delivery
 from app.outbox.delivery import Claimed, LeaseLost
 from app.payments import crash_points
-from app.rails.transport import http_client
 from app.services import Services
 from app.workers import outage_backoff, pause
 
@@ -86,7 +85,7 @@ class Recorder:
                     done.set_result(attempted.claimed.event_id in recorded)
 
 
-async def deliver(services: Services, http: httpx.AsyncClient, recorder: Recorder, claimed: Claimed) -> str:
+async def deliver(services: Services, http: aiohttp.ClientSession, recorder: Recorder, claimed: Claimed) -> str:
     """POST one claimed delivery and record what came of it; the outcome."""
     settings = services.settings
     if claimed.url is None:
@@ -106,7 +105,7 @@ async def deliver(services: Services, http: httpx.AsyncClient, recorder: Recorde
     return decision.outcome
 
 
-async def _deliver_logged(services: Services, http: httpx.AsyncClient, recorder: Recorder, claimed: Claimed) -> None:
+async def _deliver_logged(services: Services, http: aiohttp.ClientSession, recorder: Recorder, claimed: Claimed) -> None:
     try:
         await deliver(services, http, recorder, claimed)
     except LeaseLost as exc:
@@ -130,7 +129,7 @@ async def dispatch_loop(services: Services, stop: asyncio.Event) -> None:
     refill = max(1, settings.webhook_concurrency // 2)
     recorder = Recorder(services)
     recording = asyncio.create_task(recorder.run())
-    async with http_client(max_connections=settings.webhook_concurrency * 2) as http:
+    async with delivery.session(max_connections=settings.webhook_concurrency * 2) as http:
         try:
             while not stop.is_set():
                 free = settings.webhook_concurrency - len(running)

@@ -1,0 +1,176 @@
+"""What one webhook POST comes to (app/outbox/delivery.py::post), over real sockets.
+
+Each test starts a tiny loopback server that answers the way a merchant, a
+proxy or a broken network might, and POSTs to it with the session the
+dispatcher uses (`delivery.session`, aiohttp). The `Answer` is what gets
+recorded and what `decide` reads: a 2xx is delivered, any other status is an
+`http_status` (429: `rate_limited`) with its Retry-After, and an exchange
+without an HTTP answer is a `timeout` or a `connection` error, never an
+exception out of `post`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+
+import pytest
+from standardwebhooks import Webhook
+
+from app.outbox import delivery
+from app.outbox.delivery import Claimed
+from app.outbox.endpoints import new_secret
+
+SECRET = new_secret()
+
+
+class Merchant:
+    """A loopback server answering every request with `raw` (bytes; "close": hang up; "hang": never answer)."""
+
+    def __init__(self, raw: bytes | str) -> None:
+        self.raw = raw
+        self.requests: list[tuple[bytes, bytes]] = []  # (head, body)
+        self.connections = 0
+
+    async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length")), 0)
+                self.requests.append((head, await reader.readexactly(length)))
+                if self.raw == "close":
+                    return
+                if self.raw == "hang":
+                    await asyncio.Event().wait()  # cancelled when the server closes
+                writer.write(self.raw)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[[Merchant], Awaitable[str]]]:
+    servers: list[asyncio.base_events.Server] = []
+
+    async def start(merchant: Merchant) -> str:
+        server = await asyncio.start_server(merchant, "127.0.0.1", 0)
+        servers.append(server)
+        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/webhooks"
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+async def session():
+    async with delivery.session(max_connections=4) as http:
+        yield http
+
+
+def claimed(url: str) -> Claimed:
+    return Claimed(
+        event_id=uuid.uuid4(), client_id=1, attempt=1, due_attempt=1, lease_token=uuid.uuid4(), url=url,
+        secret=SECRET, type="payment.succeeded", data={"id": "p", "status": "succeeded"},
+        created_at=datetime(2026, 12, 2, tzinfo=UTC),
+    )
+
+
+def answer(status: int, extra: str = "", body: bytes = b"") -> bytes:
+    return f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+
+async def test_a_2xx_is_delivered_with_the_signed_body_and_headers_on_the_wire(serve, session):
+    merchant = Merchant(answer(204))
+    delivered = claimed(await serve(merchant))
+
+    got = await delivery.post(session, delivered, timeout=2)
+
+    assert (got.status_code, got.error_class) == (204, None) and got.latency_ms > 0
+    [(head, body)] = merchant.requests
+    assert body == delivered.body().encode()
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "POST /webhooks HTTP/1.1"
+    headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines[1:] if line)}
+    assert headers["content-type"] == "application/json"
+    assert headers["user-agent"] == delivery.USER_AGENT
+    assert headers["webhook-id"] == str(delivered.event_id)
+    assert Webhook(SECRET).verify(body, headers)["data"] == delivered.data
+
+
+async def test_the_connection_is_kept_alive_for_the_next_webhook(serve, session):
+    merchant = Merchant(answer(200, body=b"{}"))
+    url = await serve(merchant)
+
+    for _ in range(3):
+        assert (await delivery.post(session, claimed(url), timeout=2)).error_class is None
+
+    assert (len(merchant.requests), merchant.connections) == (3, 1)
+
+
+@pytest.mark.parametrize("status, error_class", [(500, "http_status"), (404, "http_status"), (401, "http_status"),
+                                                 (429, "rate_limited")])
+async def test_any_other_status_is_an_error_with_its_status(serve, session, status, error_class):
+    got = await delivery.post(session, claimed(await serve(Merchant(answer(status)))), timeout=2)
+    assert (got.status_code, got.error_class, got.error) == (status, error_class, f"HTTP {status}")
+
+
+async def test_a_redirect_is_not_followed(serve, session):
+    target = Merchant(answer(200))
+    moved = Merchant(answer(302, f"Location: {await serve(target)}\r\n"))
+
+    got = await delivery.post(session, claimed(await serve(moved)), timeout=2)
+
+    assert (got.status_code, got.error_class) == (302, "http_status")
+    assert len(moved.requests) == 1 and target.requests == []
+
+
+@pytest.mark.parametrize("header, expected", [("7", 7.0), ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0), ("soon", None)])
+async def test_retry_after_is_read_in_seconds_or_as_a_date(serve, session, header, expected):
+    got = await delivery.post(session, claimed(await serve(Merchant(answer(429, f"Retry-After: {header}\r\n")))),
+                              timeout=2)
+    assert got.retry_after == expected
+
+
+async def test_a_huge_body_is_not_read(serve, session):
+    endless = b"HTTP/1.1 200 OK\r\nContent-Length: 100000000\r\n\r\n" + b"x" * 65536
+
+    got = await delivery.post(session, claimed(await serve(Merchant(endless))), timeout=2)
+
+    assert (got.status_code, got.error_class) == (200, None)
+
+
+async def test_a_merchant_that_never_answers_is_a_timeout_within_the_total(serve, session):
+    started = asyncio.get_running_loop().time()
+
+    got = await delivery.post(session, claimed(await serve(Merchant("hang"))), timeout=0.3)
+
+    assert (got.status_code, got.error_class) == (None, "timeout") and got.error
+    assert asyncio.get_running_loop().time() - started < 2
+
+
+async def test_a_refused_connection_is_a_connection_error(session):
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/webhooks"
+    got = await delivery.post(session, claimed(url), timeout=2)
+    assert (got.status_code, got.error_class) == (None, "connection") and "Connect" in got.error
+
+
+@pytest.mark.parametrize("raw", ["close", b"SSH-2.0-OpenSSH_9.2 this is not HTTP\r\n\r\n"])
+async def test_a_hang_up_or_an_answer_that_is_not_http_is_a_connection_error(serve, session, raw):
+    got = await delivery.post(session, claimed(await serve(Merchant(raw))), timeout=2)
+    assert (got.status_code, got.error_class) == (None, "connection")
+
+
+@pytest.mark.parametrize("url", ["http://", "http://host:99999/x", "http://[::1/x", "ftp://x/y", "http://a..b/x"])
+async def test_a_url_that_cannot_be_posted_to_is_a_connection_error_not_an_exception(session, url):
+    got = await delivery.post(session, claimed(url), timeout=2)
+    assert (got.status_code, got.error_class) == (None, "connection")
