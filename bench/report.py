@@ -14,6 +14,7 @@ Costs per payment are totals over all rounds divided by all payments.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from statistics import mean
 from typing import Any
@@ -32,7 +33,9 @@ TARGETS = {
     "writes": ("writing transactions per payment", "==", 3.0, ""),
     "p99": ("p99 latency: phased ÷ naive", "<=", 2.0, "×"),
     "watching": ("payments/s: metrics and logs on ÷ off", ">=", 0.95, "×"),
-    "watching_replays": ("replays/s: metrics and logs on ÷ off", ">=", 0.95, "×"),
+    # Judged side by side on one CPU (bench/watching.py): the replay runs one
+    # after the other drift by more than the 5% this allows.
+    "watching_replays": ("replays/s: metrics and logs on ÷ off, at once on one CPU", ">=", 0.95, "×"),
 }
 
 
@@ -135,6 +138,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             for p in runs if p["kind"] == kind
             for q in runs if q["kind"] == other and q["round"] == p["round"]
         ]
+        side = results.get("watching_side_by_side", {}).get(str(workers))
+        side_on = side["figures"]["on"] if side else {}
         ceiling_tps = results["ceiling"].get("tps")
         blocks.append({
             "workers": workers,
@@ -149,19 +154,23 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 "watching": watching,
                 "watching_replays": watching_replays,
                 "watching_per_round": watching_per_round,
+                "watching_replays_side_by_side": side_on.get("rate_ratio"),
+                "watching_replays_side_by_side_cpu": side_on.get("cpu_ratio"),
             },
+            "side_by_side": side,
             "targets": [
                 _target("rate", rate),
                 _target("replays", replay_ratio),
                 _target("writes", phased and phased["writing_txns"]),
                 _target("p99", p99),
                 *([_target("watching", watching)] if unwatched else []),
-                *([_target("watching_replays", watching_replays)] if replays_unwatched else []),
+                *([_target("watching_replays", side_on.get("rate_ratio"))] if side else []),
             ],
         })
     return {
         "blocks": blocks,
-        "exactly_once_pass": all(r["exactly_once"]["pass"] for r in results["runs"]) and bool(results["runs"]),
+        "exactly_once_pass": all(r["exactly_once"]["pass"] for r in results["runs"]) and bool(results["runs"])
+        and all(side["exactly_once"]["pass"] for side in results.get("watching_side_by_side", {}).values()),
     }
 
 
@@ -306,6 +315,18 @@ def print_watching(block: dict[str, Any]) -> None:
     per_round = [x for x in ratio.get("watching_per_round", []) if x is not None]
     if per_round:
         table.add_row("on ÷ off, each round (new payments, then replays)", ", ".join(f"{x:.2f}" for x in per_round),
+                      "", "")
+    side = block.get("side_by_side")
+    if side:
+        on, off = side["figures"]["on"], side["figures"]["off"]
+        table.add_row(f"replays at once on one CPU, {side['rounds']} rounds of {side['seconds']:g} s "
+                      "(the judged figure): replays/s, median of the rounds' ratios",
+                      fmt(statistics.median(on["per_second"]), 0), fmt(statistics.median(off["per_second"]), 0),
+                      fmt(on["rate_ratio"], 3, "×"))
+        table.add_row("  API CPU ms per replay, median of the rounds' ratios",
+                      fmt(on["cpu_ms_per_request_median"], 3), fmt(off["cpu_ms_per_request_median"], 3),
+                      fmt(on["cpu_ratio"], 3, "×"))
+        table.add_row("  replays/s on ÷ off, each round", ", ".join(f"{x:.2f}" for x in on["rate_ratio_per_round"]),
                       "", "")
     console.print(table)
 

@@ -93,7 +93,7 @@ import typer
 
 from app.clients import new_api_key
 from app.cli import create_client
-from bench import ceiling, costs, report
+from bench import ceiling, costs, report, watching
 from bench.checks import Check, exactly_once, replays_check
 from bench.costs import STATS_SETTLE_SECONDS, CpuMeter, Wal, WalCount
 from bench.load import Load, Paid, RunResult, latency_ms
@@ -109,6 +109,9 @@ REPLAY_KEYS = 1000
 SERVICE_ROLES = ("API", "worker", costs.PG_PARTS[costs.SERVICE_DATABASE])
 # Replays of each variant before the measured ones (not counted).
 SETTLE_REPLAY_SECONDS = 3.0
+# Rounds of replays with the watched and unwatched APIs at once on one CPU
+# (bench/watching.py), each a quarter of the replay time.
+SIDE_BY_SIDE_ROUNDS = 8
 # After a webhooks run, how long the bench waits for the dispatcher to deliver what is left.
 DRAIN_WAIT_SECONDS = 60.0
 # The kind of a replay run, by the variant that answers it.
@@ -190,6 +193,7 @@ class Bench:
         self.params, self.server, self.dbs, self.psp, self.rail = params, server, dbs, psp, rail
         self.merchant, self.worker = extra or (None, None)
         self.runs: list[Measured] = []
+        self.side_by_side: dict[str, dict[str, Any]] = {}  # by worker count
         self.settled = 0  # xact_commit when PostgreSQL last published everything
 
     async def __call__(self) -> dict[str, Any]:
@@ -213,6 +217,7 @@ class Bench:
         return {
             "machine": about,
             "runs": [m.to_json() for m in self.runs],
+            "watching_side_by_side": self.side_by_side,
             "pooled_latency_ms": self.pooled_latency(),
             "ceiling": ceiling_figures,
         }
@@ -269,6 +274,37 @@ class Bench:
                         lambda duration, r=replayed: load.replays(r, duration), p.replay_duration / 4,
                         lambda run, r=replayed: replays_check(self.dbs.rails_url, run, r),
                     )
+            await self.watching_side_by_side(services, last, workers)
+
+    async def watching_side_by_side(self, services: dict[str, Service], last: dict[str, list[Paid]],
+                                    workers: int) -> None:
+        """The same replays, watched and unwatched at once on one CPU (bench/watching.py): the judged figure.
+
+        The runs above, one after the other, drift by more than the 5% the
+        target allows; here whatever slows the CPU slows both alike.
+        """
+        both = {"on": services[PHASED], "off": services[UNWATCHED]}
+        paid = {"on": last[PHASED][:REPLAY_KEYS], "off": last[UNWATCHED][:REPLAY_KEYS]}
+        seconds = max(1.0, self.params.replay_duration / 4)
+        with console.status(f"[{workers}w] replays, watched and unwatched at once on one CPU: "
+                            f"{SIDE_BY_SIDE_ROUNDS} rounds of {seconds:g} s"):
+            async with Load(both["on"].url, self.dbs.api_key, self.params.concurrency // 2) as on, \
+                    Load(both["off"].url, self.dbs.api_key, self.params.concurrency // 2) as off:
+                figures, results = await watching.side_by_side_replays(
+                    both, {"on": on, "off": off}, paid, SIDE_BY_SIDE_ROUNDS, seconds)
+            checks = [check for name in both for result in results[name]
+                      for check in await replays_check(self.dbs.rails_url, result, paid[name])]
+        self.side_by_side[str(workers)] = {
+            "rounds": SIDE_BY_SIDE_ROUNDS, "seconds": seconds, "figures": figures,
+            "exactly_once": {"pass": all(c.ok for c in checks),
+                             "checks": [{"check": c.name, "ok": c.ok, "detail": c.detail} for c in checks
+                                        if not c.ok][:5]},
+        }
+        on_figures = figures["on"]
+        console.print(f"[{workers}w] replays side by side on one CPU: watched ÷ unwatched, API CPU per replay "
+                      f"{on_figures['cpu_ratio']:.3f}, replays/s {on_figures['rate_ratio']:.3f} (medians of "
+                      f"{SIDE_BY_SIDE_ROUNDS} rounds); exactly-once "
+                      + ("ok" if all(c.ok for c in checks) else "[red]FAILED[/]"))
 
     async def webhooks_round(self, api: Service, workers: int, round_: int) -> None:
         """The phased service again, paid by the client with a webhook endpoint: the same load, plus the

@@ -2,24 +2,26 @@
 
     .venv/bin/python -m bench.watching [--rounds 10] [--seconds 5] [--new-payments 0]
 
-`make bench` gives the figure the target is judged by, the throughput with
-metrics and logs on ÷ off, from runs one after the other; on a 2-CPU
-virtual machine those move by 5% between runs of the same code (a CPU that
-is slower for a while slows whichever variant runs then). This script
-removes most of that noise, to find where a few percent go. It starts three
-API processes of the phased service, watched (`on`, the defaults),
-unwatched (`off`: METRICS_ENABLED=false LOG_LEVEL=WARNING) and unwatched
-again (`off-again`, the control: how far two identical processes differ),
-pins the three to the machine's last CPU and everything else (PostgreSQL,
-the fakes, this load generator) to the others, and replays finished
-payments against all three at once. Each round reads each API's CPU time
-(user + system) per replay; as all three share one CPU at the same moments,
-the ratio of two of them in a round is nearly free of the machine's drift.
-It prints each round's ratios to `off` and their median.
+Runs one after the other, as `make bench`'s rounds are, move by 5% to 15%
+between runs of the same code on a 2-CPU virtual machine (a CPU that is
+slower for a while slows whichever variant runs then): more than the 5% the
+target allows for watching. `side_by_side` removes most of that noise. It
+pins the API processes to the machine's last CPU and everything else of the
+run (PostgreSQL, the fakes, the load generator) to the others, and replays
+finished payments against all of them at once, each with its own clients.
+Sharing one CPU at the same moments, the APIs are slowed alike by whatever
+slows that CPU; each round reads each API's CPU time (user + system) per
+replay and its replays per second, and the ratios of a round are nearly
+free of the machine's drift. The pinning is undone at the end.
 
-`--new-payments S` first drives S seconds of new payments through each API
-(at once, too), then replays again: whether serving payments makes a
-process's later replays dearer.
+`make bench` (bench/run.py) runs it after its own replay runs, on its
+watched and unwatched APIs, and judges the watching target by it. Run
+alone, this script starts three APIs: watched (`on`, the defaults),
+unwatched (`off`: METRICS_ENABLED=false LOG_LEVEL=WARNING) and unwatched
+again (`off-again`, the control: how far two identical processes differ).
+`--new-payments S` then drives S seconds of new payments through each (at
+once, too) and replays again: whether serving payments makes a process's
+later replays dearer.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import psutil
 import typer
 
-from bench.load import Load, RunResult
+from bench.load import Load, Paid, RunResult
 from bench.system import (
     PHASED, UNWATCHED, SETTINGS, Service, System, console, database_server, fakes, prepare_databases, running,
 )
@@ -42,44 +46,106 @@ CLIENTS = 16  # per API
 
 
 def cpu_seconds(service: Service) -> float:
-    times = psutil.Process(service.pid).cpu_times()
-    return times.user + times.system
+    total = 0.0
+    for process in service.tree():
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
 
-def pin(apis: dict[str, Service], others: list[Service]) -> None:
-    """The APIs on the last CPU; PostgreSQL, the fakes and this process on the rest."""
-    cpus = list(range(os.cpu_count() or 1))
-    if len(cpus) < 2:
-        raise typer.BadParameter("needs at least 2 CPUs: one for the APIs, one for the rest")
-    for api in apis.values():
-        psutil.Process(api.pid).cpu_affinity(cpus[-1:])
-    rest = cpus[:-1]
-    psutil.Process().cpu_affinity(rest)
-    for service in others:
-        psutil.Process(service.pid).cpu_affinity(rest)
+def _ours() -> list[psutil.Process]:
+    """This process, everything it started, and PostgreSQL's processes (an embedded server's, or a local one's)."""
+    me = psutil.Process()
+    found = {me.pid: me, **{p.pid: p for p in me.children(recursive=True)}}
     for process in psutil.process_iter(["name"]):
         if (process.info["name"] or "").startswith("postgres"):
-            try:
-                process.cpu_affinity(rest)
-            except (psutil.AccessDenied, psutil.NoSuchProcess):
-                pass
+            found.setdefault(process.pid, process)
+    return list(found.values())
+
+
+def _set_affinity(process: psutil.Process, cpus: list[int]) -> None:
+    try:
+        process.cpu_affinity(cpus)
+    except (psutil.AccessDenied, psutil.NoSuchProcess):
+        pass  # not ours to move (another user's PostgreSQL), or gone
+
+
+@contextmanager
+def pinned(apis: dict[str, Service]) -> Iterator[None]:
+    """The APIs' processes on the last CPU, the rest of the run on the others; every CPU again at the end."""
+    every = list(range(os.cpu_count() or 1))
+    if len(every) < 2:
+        raise RuntimeError("needs at least 2 CPUs: one for the APIs, one for the rest")
+    api_pids = {p.pid for api in apis.values() for p in api.tree()}
+    moved = _ours()
+    try:
+        for process in moved:
+            _set_affinity(process, every[-1:] if process.pid in api_pids else every[:-1])
+        yield
+    finally:
+        for process in moved:
+            _set_affinity(process, every)
 
 
 async def rounds(apis: dict[str, Service], drive: Callable[[str, float], Awaitable[RunResult]],
-                 count: int, seconds: float, title: str) -> None:
-    per_op: dict[str, list[float]] = {name: [] for name in apis}
+                 count: int, seconds: float) -> dict[str, list[tuple[float, float, RunResult]]]:
+    """`count` rounds of `drive` against every API at once: (CPU seconds per request, requests/s, result) each."""
+    measured: dict[str, list[tuple[float, float, RunResult]]] = {name: [] for name in apis}
     for _ in range(count):
         before = {name: cpu_seconds(api) for name, api in apis.items()}
         results = await asyncio.gather(*(drive(name, seconds) for name in apis))
         for (name, api), result in zip(apis.items(), results):
-            per_op[name].append((cpu_seconds(api) - before[name]) / max(1, result.succeeded))
-    console.print(f"[bold]{title}[/]: API CPU per request, {count} rounds of {seconds:g} s, all three at once")
-    for name in apis:
-        ratios = [mine / off for mine, off in zip(per_op[name], per_op["off"])]
-        console.print(f"  {name:>9}: median {1e6 * statistics.median(per_op[name]):6.0f} µs"
-                      + ("" if name == "off" else
-                         f"; ÷ off by round {' '.join(f'{r:.3f}' for r in ratios)}, "
-                         f"median [bold]{statistics.median(ratios):.3f}[/]"))
+            n = max(1, result.succeeded)
+            measured[name].append(((cpu_seconds(api) - before[name]) / n, result.succeeded / result.elapsed, result))
+    return measured
+
+
+def summary(measured: dict[str, list[tuple[float, float, RunResult]]], base: str = "off") -> dict[str, Any]:
+    """Per API: median CPU per request; to `base`: each round's CPU ratio and rate ratio, and their medians."""
+    out: dict[str, Any] = {}
+    for name, runs in measured.items():
+        figures: dict[str, Any] = {
+            "cpu_ms_per_request": [round(1000 * cpu, 4) for cpu, _, _ in runs],
+            "per_second": [round(rate, 1) for _, rate, _ in runs],
+            "cpu_ms_per_request_median": round(1000 * statistics.median(cpu for cpu, _, _ in runs), 4),
+        }
+        if name != base:
+            cpu_ratios = [mine[0] / theirs[0] for mine, theirs in zip(runs, measured[base]) if theirs[0]]
+            rate_ratios = [mine[1] / theirs[1] for mine, theirs in zip(runs, measured[base]) if theirs[1]]
+            figures |= {
+                "cpu_ratio_per_round": [round(r, 3) for r in cpu_ratios],
+                "cpu_ratio": round(statistics.median(cpu_ratios), 4) if cpu_ratios else None,
+                "rate_ratio_per_round": [round(r, 3) for r in rate_ratios],
+                "rate_ratio": round(statistics.median(rate_ratios), 4) if rate_ratios else None,
+            }
+        out[name] = figures
+    return out
+
+
+def print_summary(title: str, figures: dict[str, Any]) -> None:
+    console.print(f"[bold]{title}[/]")
+    for name, f in figures.items():
+        line = f"  {name:>9}: {f['cpu_ms_per_request_median'] * 1000:6.0f} µs of API CPU per request (median)"
+        if "cpu_ratio" in f:
+            line += (f"; ÷ off: CPU by round {' '.join(f'{r:.3f}' for r in f['cpu_ratio_per_round'])}, "
+                     f"median [bold]{f['cpu_ratio']:.3f}[/]; requests/s median [bold]{f['rate_ratio']:.3f}[/]")
+        console.print(line)
+
+
+async def side_by_side_replays(apis: dict[str, Service], loads: dict[str, Load], paid: dict[str, list[Paid]],
+                               count: int, seconds: float
+                               ) -> tuple[dict[str, Any], dict[str, list[RunResult]]]:
+    """Replays against every API at once, pinned (`pinned`): the summary, and every round's result to check."""
+    def replay(name: str, s: float) -> Awaitable[RunResult]:
+        return loads[name].replays(paid[name], s)
+
+    with pinned(apis):
+        await asyncio.gather(*(replay(name, 2.0) for name in apis))  # connections up, on the pinned CPUs
+        measured = await rounds(apis, replay, count, seconds)
+    return summary(measured), {name: [r for _, _, r in runs] for name, runs in measured.items()}
 
 
 def main(
@@ -98,7 +164,6 @@ def main(
                                  f"{name} API")
                 for name, settings in VARIANTS.items()}
         with running([psp, rail, *apis.values()]):
-            pin(apis, [psp, rail])
 
             async def go() -> None:
                 loads = {name: await Load(api.url, dbs.api_key, CLIENTS).__aenter__() for name, api in apis.items()}
@@ -106,16 +171,15 @@ def main(
                     paid = {name: (await load.new_payments(3.0)).paid[:1000] for name, load in loads.items()}
                     if not all(paid.values()):
                         raise SystemExit("no payment finished: nothing to replay")
-
-                    def replay(name: str, s: float) -> Awaitable[RunResult]:
-                        return loads[name].replays(paid[name], s)
-
-                    await asyncio.gather(*(replay(name, 2.0) for name in apis))  # connections up, caches warm
-                    await rounds(apis, replay, rounds_, seconds, "replays")
+                    figures, _ = await side_by_side_replays(apis, loads, paid, rounds_, seconds)
+                    print_summary(f"replays: {rounds_} rounds of {seconds:g} s, all three at once", figures)
                     if new_payments:
-                        await rounds(apis, lambda name, s: loads[name].new_payments(s), 1, new_payments,
-                                     "new payments")
-                        await rounds(apis, replay, rounds_, seconds, "replays, after the new payments")
+                        with pinned(apis):
+                            measured = await rounds(apis, lambda name, s: loads[name].new_payments(s), 1,
+                                                    new_payments)
+                        print_summary(f"new payments: {new_payments:g} s, all three at once", summary(measured))
+                        figures, _ = await side_by_side_replays(apis, loads, paid, rounds_, seconds)
+                        print_summary("replays, after the new payments", figures)
                 finally:
                     for load in loads.values():
                         await load.__aexit__()
