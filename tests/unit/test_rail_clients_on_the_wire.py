@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -98,20 +98,6 @@ async def not_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -
 
 async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     await asyncio.Event().wait()  # cancelled when the server closes
-
-
-@pytest.fixture
-async def serve() -> AsyncIterator[Callable[[Server], Awaitable[str]]]:
-    servers: list[asyncio.base_events.Server] = []
-
-    async def start(handler: Server) -> str:
-        server = await asyncio.start_server(handler, "127.0.0.1", 0)
-        servers.append(server)
-        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-
-    yield start
-    for server in servers:
-        server.close()
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 import pytest
@@ -56,17 +56,12 @@ class Merchant:
 
 
 @pytest.fixture
-async def serve() -> AsyncIterator[Callable[[Merchant], Awaitable[str]]]:
-    servers: list[asyncio.base_events.Server] = []
-
+def endpoint(serve) -> Callable[[Merchant], Awaitable[str]]:
+    """A merchant's webhook URL on a loopback server of its own (the `serve` fixture)."""
     async def start(merchant: Merchant) -> str:
-        server = await asyncio.start_server(merchant, "127.0.0.1", 0)
-        servers.append(server)
-        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/webhooks"
+        return await serve(merchant) + "/webhooks"
 
-    yield start
-    for server in servers:
-        server.close()
+    return start
 
 
 @pytest.fixture
@@ -87,9 +82,9 @@ def answer(status: int, extra: str = "", body: bytes = b"") -> bytes:
     return f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
 
 
-async def test_a_2xx_is_delivered_with_the_signed_body_and_headers_on_the_wire(serve, session):
+async def test_a_2xx_is_delivered_with_the_signed_body_and_headers_on_the_wire(endpoint, session):
     merchant = Merchant(answer(204))
-    delivered = claimed(await serve(merchant))
+    delivered = claimed(await endpoint(merchant))
 
     got = await delivery.post(session, delivered, timeout=2)
 
@@ -105,9 +100,9 @@ async def test_a_2xx_is_delivered_with_the_signed_body_and_headers_on_the_wire(s
     assert Webhook(SECRET).verify(body, headers)["data"] == delivered.data
 
 
-async def test_the_connection_is_kept_alive_for_the_next_webhook(serve, session):
+async def test_the_connection_is_kept_alive_for_the_next_webhook(endpoint, session):
     merchant = Merchant(answer(200, body=b"{}"))
-    url = await serve(merchant)
+    url = await endpoint(merchant)
 
     for _ in range(3):
         assert (await delivery.post(session, claimed(url), timeout=2)).error_class is None
@@ -117,40 +112,40 @@ async def test_the_connection_is_kept_alive_for_the_next_webhook(serve, session)
 
 @pytest.mark.parametrize("status, error_class", [(500, "http_status"), (404, "http_status"), (401, "http_status"),
                                                  (429, "rate_limited")])
-async def test_any_other_status_is_an_error_with_its_status(serve, session, status, error_class):
-    got = await delivery.post(session, claimed(await serve(Merchant(answer(status)))), timeout=2)
+async def test_any_other_status_is_an_error_with_its_status(endpoint, session, status, error_class):
+    got = await delivery.post(session, claimed(await endpoint(Merchant(answer(status)))), timeout=2)
     assert (got.status_code, got.error_class, got.error) == (status, error_class, f"HTTP {status}")
 
 
-async def test_a_redirect_is_not_followed(serve, session):
+async def test_a_redirect_is_not_followed(endpoint, session):
     target = Merchant(answer(200))
-    moved = Merchant(answer(302, f"Location: {await serve(target)}\r\n"))
+    moved = Merchant(answer(302, f"Location: {await endpoint(target)}\r\n"))
 
-    got = await delivery.post(session, claimed(await serve(moved)), timeout=2)
+    got = await delivery.post(session, claimed(await endpoint(moved)), timeout=2)
 
     assert (got.status_code, got.error_class) == (302, "http_status")
     assert len(moved.requests) == 1 and target.requests == []
 
 
 @pytest.mark.parametrize("header, expected", [("7", 7.0), ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0), ("soon", None)])
-async def test_retry_after_is_read_in_seconds_or_as_a_date(serve, session, header, expected):
-    got = await delivery.post(session, claimed(await serve(Merchant(answer(429, f"Retry-After: {header}\r\n")))),
+async def test_retry_after_is_read_in_seconds_or_as_a_date(endpoint, session, header, expected):
+    got = await delivery.post(session, claimed(await endpoint(Merchant(answer(429, f"Retry-After: {header}\r\n")))),
                               timeout=2)
     assert got.retry_after == expected
 
 
-async def test_a_huge_body_is_not_read(serve, session):
+async def test_a_huge_body_is_not_read(endpoint, session):
     endless = b"HTTP/1.1 200 OK\r\nContent-Length: 100000000\r\n\r\n" + b"x" * 65536
 
-    got = await delivery.post(session, claimed(await serve(Merchant(endless))), timeout=2)
+    got = await delivery.post(session, claimed(await endpoint(Merchant(endless))), timeout=2)
 
     assert (got.status_code, got.error_class) == (200, None)
 
 
-async def test_a_merchant_that_never_answers_is_a_timeout_within_the_total(serve, session):
+async def test_a_merchant_that_never_answers_is_a_timeout_within_the_total(endpoint, session):
     started = asyncio.get_running_loop().time()
 
-    got = await delivery.post(session, claimed(await serve(Merchant("hang"))), timeout=0.3)
+    got = await delivery.post(session, claimed(await endpoint(Merchant("hang"))), timeout=0.3)
 
     assert (got.status_code, got.error_class) == (None, "timeout") and got.error
     assert asyncio.get_running_loop().time() - started < 2
@@ -165,8 +160,8 @@ async def test_a_refused_connection_is_a_connection_error(session):
 
 
 @pytest.mark.parametrize("raw", ["close", b"SSH-2.0-OpenSSH_9.2 this is not HTTP\r\n\r\n"])
-async def test_a_hang_up_or_an_answer_that_is_not_http_is_a_connection_error(serve, session, raw):
-    got = await delivery.post(session, claimed(await serve(Merchant(raw))), timeout=2)
+async def test_a_hang_up_or_an_answer_that_is_not_http_is_a_connection_error(endpoint, session, raw):
+    got = await delivery.post(session, claimed(await endpoint(Merchant(raw))), timeout=2)
     assert (got.status_code, got.error_class) == (None, "connection")
 
 
