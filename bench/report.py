@@ -36,6 +36,9 @@ TARGETS = {
     # Judged side by side on one CPU (bench/watching.py): the replay runs one
     # after the other drift by more than the 5% this allows.
     "watching_replays": ("replays/s: metrics and logs on ÷ off, at once on one CPU", ">=", 0.95, "×"),
+    # Judged side by side too (bench/outbox.py): the service's own CPU, the
+    # fake merchant's left out, and both sides at the same moments.
+    "outbox": ("the service's CPU per new payment: with webhooks ÷ without, at once", "<=", 1.10, "×"),
 }
 
 
@@ -140,6 +143,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         ]
         side = results.get("watching_side_by_side", {}).get(str(workers))
         side_on = side["figures"]["on"] if side else {}
+        outbox = results.get("outbox_side_by_side", {}).get(str(workers))
+        outbox_figures = outbox["figures"] if outbox else {}
         ceiling_tps = results["ceiling"].get("tps")
         blocks.append({
             "workers": workers,
@@ -156,6 +161,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 "watching_per_round": watching_per_round,
                 "watching_replays_side_by_side": side_on.get("rate_ratio"),
                 "watching_replays_side_by_side_cpu": side_on.get("cpu_ratio"),
+                "outbox_side_by_side_cpu": outbox_figures.get("cpu_ratio"),
+                "outbox_side_by_side_rate": outbox_figures.get("rate_ratio"),
             },
             "side_by_side": side,
             "targets": [
@@ -165,12 +172,14 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 _target("p99", p99),
                 *([_target("watching", watching)] if unwatched else []),
                 *([_target("watching_replays", side_on.get("rate_ratio"))] if side else []),
+                *([_target("outbox", outbox_figures.get("cpu_ratio"))] if outbox else []),
             ],
         })
     return {
         "blocks": blocks,
         "exactly_once_pass": all(r["exactly_once"]["pass"] for r in results["runs"]) and bool(results["runs"])
-        and all(side["exactly_once"]["pass"] for side in results.get("watching_side_by_side", {}).values()),
+        and all(side["exactly_once"]["pass"] for side in results.get("watching_side_by_side", {}).values())
+        and all(side["exactly_once"]["pass"] for side in results.get("outbox_side_by_side", {}).values()),
     }
 
 

@@ -19,12 +19,14 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
+from sqlalchemy import event
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from app.config import asyncpg_url
 from app.db.transaction import one_statement
 from app.outbox import delivery
 from app.outbox.delivery import Answer, Attempted, Decision, LeaseLost
+from app.workers import webhooks
 from app.workers.webhooks import Recorder
 from tests.support import headers, payment_body
 
@@ -87,7 +89,7 @@ async def test_a_batch_records_every_attempt_whose_lease_it_still_holds_and_noth
 async def test_the_recorder_tells_each_waiting_delivery_its_own_outcome(db, engine, claimed):
     ours_a, lost, ours_b = claimed
     await taken_over(db, lost)
-    recorder = Recorder(SimpleNamespace(engine=engine))
+    recorder = Recorder(SimpleNamespace(engine=engine), in_flight=lambda: len(claimed))
     recording = asyncio.create_task(recorder.run())
     try:
         # Handed over together, so they share statements.
@@ -98,3 +100,27 @@ async def test_the_recorder_tells_each_waiting_delivery_its_own_outcome(db, engi
     assert isinstance(results[1], LeaseLost) and str(lost.event_id) in str(results[1])
     states = dict(await db.fetch("SELECT event_id, state FROM webhook_delivery"))
     assert states == {ours_a.event_id: "delivered", lost.event_id: "pending", ours_b.event_id: "delivered"}
+
+
+async def test_an_attempt_finishing_while_others_are_in_flight_waits_to_share_their_statement(
+        db, engine, claimed, monkeypatch):
+    # A linger long enough that the second attempt surely arrives within it
+    # on a loaded machine; the test does not wait for it to pass by a clock.
+    monkeypatch.setattr(webhooks, "RECORD_LINGER_SECONDS", 0.5)
+    statements: list[str] = []
+    event.listen(engine.sync_engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    first, second, _ = claimed
+    recorder = Recorder(SimpleNamespace(engine=engine), in_flight=lambda: 2)
+    recording = asyncio.create_task(recorder.run())
+    async def a_moment_later(attempt: Attempted) -> None:
+        for _ in range(5):  # a few turns of the loop: the recorder has taken the first one by then
+            await asyncio.sleep(0)
+        await recorder.record(attempt)
+
+    try:
+        await asyncio.gather(recorder.record(delivered(first)), a_moment_later(delivered(second)))
+    finally:
+        recording.cancel()
+    assert len(statements) == 1, "both attempts went into one record statement"
+    states = dict(await db.fetch("SELECT event_id, state FROM webhook_delivery"))
+    assert (states[first.event_id], states[second.event_id]) == ("delivered", "delivered")

@@ -59,7 +59,7 @@ def test_a_signed_delivery_verifies_with_the_library_on_the_receivers_side():
     claimed = Claimed(
         event_id=uuid.uuid4(), client_id=1, attempt=1, due_attempt=1, lease_token=uuid.uuid4(),
         url="http://merchant.test/webhooks", secret=secret, type="payment.succeeded",
-        data={"id": "p", "status": "succeeded"}, created_at=datetime(2026, 12, 2, tzinfo=UTC),
+        data='{"id": "p", "status": "succeeded"}', created_at=datetime(2026, 12, 2, tzinfo=UTC),
     )
     body = claimed.body()
     signed = delivery.signed_headers(claimed, body, datetime.now(UTC))

@@ -12,6 +12,7 @@ exception out of `post`.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import uuid
 from collections.abc import Awaitable, Callable
@@ -35,14 +36,17 @@ class Merchant:
         self.requests: list[tuple[bytes, bytes]] = []  # (head, body)
         self.connections = 0
 
+    async def read_request(self, reader: asyncio.StreamReader) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length")), 0)
+        self.requests.append((head, await reader.readexactly(length)))
+
     async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length")), 0)
-                self.requests.append((head, await reader.readexactly(length)))
+                await self.read_request(reader)
                 if self.raw == "close":
                     return
                 if self.raw == "hang":
@@ -73,7 +77,7 @@ async def session():
 def claimed(url: str) -> Claimed:
     return Claimed(
         event_id=uuid.uuid4(), client_id=1, attempt=1, due_attempt=1, lease_token=uuid.uuid4(), url=url,
-        secret=SECRET, type="payment.succeeded", data={"id": "p", "status": "succeeded"},
+        secret=SECRET, type="payment.succeeded", data='{"id":"p","status":"succeeded"}',
         created_at=datetime(2026, 12, 2, tzinfo=UTC),
     )
 
@@ -97,7 +101,7 @@ async def test_a_2xx_is_delivered_with_the_signed_body_and_headers_on_the_wire(e
     assert headers["content-type"] == "application/json"
     assert headers["user-agent"] == delivery.USER_AGENT
     assert headers["webhook-id"] == str(delivered.event_id)
-    assert Webhook(SECRET).verify(body, headers)["data"] == delivered.data
+    assert Webhook(SECRET).verify(body, headers)["data"] == json.loads(delivered.data)
 
 
 async def test_the_connection_is_kept_alive_for_the_next_webhook(endpoint, session):
@@ -169,3 +173,44 @@ async def test_a_hang_up_or_an_answer_that_is_not_http_is_a_connection_error(end
 async def test_a_url_that_cannot_be_posted_to_is_a_connection_error_not_an_exception(session, url):
     got = await delivery.post(session, claimed(url), timeout=2)
     assert (got.status_code, got.error_class) == (None, "connection")
+
+
+class SlowBody(Merchant):
+    """Sends its answer's head, then its body only when the test says: a framework that writes them apart."""
+
+    def __init__(self, body: bytes) -> None:
+        super().__init__(b"")
+        self.body = body
+        self.head_sent = asyncio.Event()
+        self.send_body = asyncio.Event()
+
+    async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                await self.read_request(reader)
+                writer.write(f"HTTP/1.1 200 OK\r\nContent-Length: {len(self.body)}\r\n\r\n".encode())
+                await writer.drain()
+                self.head_sent.set()
+                await self.send_body.wait()
+                writer.write(self.body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_a_body_sent_after_the_head_is_read_so_the_connection_carries_the_next_webhook(endpoint, session):
+    # Left unread, the answer's connection would be closed, and the next
+    # webhook would open another: two connections instead of one.
+    merchant = SlowBody(b'{"status":"applied"}')
+    url = await endpoint(merchant)
+
+    first = asyncio.create_task(delivery.post(session, claimed(url), timeout=2))
+    await merchant.head_sent.wait()
+    merchant.send_body.set()
+    assert (await first).error_class is None
+    assert (await delivery.post(session, claimed(url), timeout=2)).error_class is None
+
+    assert (len(merchant.requests), merchant.connections) == (2, 1)

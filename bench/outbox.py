@@ -1,0 +1,215 @@
+"""What the outbox adds to a new payment's cost: the service with and without webhooks, at the same time.
+
+`make bench` (bench/run.py) runs this after its own rounds at each worker
+count, and judges the outbox's target by it. Its rounds one after the other
+(the `webhooks` variant, then the phased service without) cannot tell the
+outbox's cost from the machine's: on two CPUs shared by everything, the fake
+merchant's work (a real merchant's machine's, about as much again as the
+dispatcher's) slows every process of the webhooks run, the service's
+included, and the runs drift by 5-15% between themselves.
+
+Here the two APIs of the bench that serve the phased service with the same
+settings run at once, each with half of the clients: one for the client with
+no webhook endpoint (`without`), one for the client whose endpoint is the
+fake merchant (`with`), whose events the worker's dispatcher delivers while
+the round runs. Whatever slows the machine, the merchant included, slows both
+alike. Each round counts, per payment that succeeded:
+
+    without   its API's CPU, and its API's database sessions'
+    with      the same for its API, and the worker's CPU and its sessions'
+              (the dispatcher's claims, POSTs and records), counted until
+              every webhook of the round is delivered
+
+The worker's other loops (recovery, retention, reconciliation) sweep all
+the time, webhooks or not: a deployment without endpoints runs them too. So
+the worker's CPU while idle is measured first (`IDLE_SECONDS` with no load),
+and that rate times each round's length is taken off the worker's CPU in
+the round; the figures keep both. The database sessions are told apart by their client port: the
+ports of each process's connections to the server against pg_stat_activity.
+A server reached over a Unix socket has no client ports: the figure is then
+n/a, not a guess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import asyncpg
+import psutil
+
+from app.config import libpq_url
+from bench.load import Load, RunResult
+from bench.system import Service
+
+# How long a round waits for the dispatcher to deliver the round's webhooks.
+DRAIN_WAIT_SECONDS = 60.0
+# How long the worker's CPU is watched with nothing to do, before the rounds.
+IDLE_SECONDS = 5.0
+SIDES = ("without", "with")
+
+
+def _cpu(pid: int) -> float | None:
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return times.user + times.system
+
+
+@dataclass
+class Mark:
+    """CPU seconds so far: each role's processes, and every database session (by backend pid)."""
+
+    processes: dict[str, dict[int, float]] = field(default_factory=dict)
+    sessions: dict[int, float] = field(default_factory=dict)
+    owner: dict[int, str] = field(default_factory=dict)  # backend pid -> role
+
+
+class Meter:
+    """CPU marks of the roles (`without`, `with`, `worker`) and of their database sessions."""
+
+    def __init__(self, conn: asyncpg.Connection, server_url: str, roles: dict[str, Service]) -> None:
+        self.conn, self.roles = conn, roles
+        self.server_port = urlsplit(libpq_url(server_url)).port or 5432
+
+    async def mark(self) -> Mark:
+        mark = Mark()
+        ports: dict[int, str] = {}
+        for role, service in self.roles.items():
+            mark.processes[role] = {p.pid: s for p in service.tree() if (s := _cpu(p.pid)) is not None}
+            for process in service.tree():
+                try:
+                    connections = process.net_connections(kind="tcp")
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                for c in connections:
+                    if c.raddr and c.raddr.port == self.server_port:
+                        ports[c.laddr.port] = role
+        await self.conn.execute("SELECT pg_stat_clear_snapshot()")
+        for pid, port in await self.conn.fetch(
+                "SELECT pid, client_port FROM pg_stat_activity WHERE backend_type = 'client backend'"):
+            if (seconds := _cpu(pid)) is not None:
+                mark.sessions[pid] = seconds
+                if port in ports:
+                    mark.owner[pid] = ports[port]
+        return mark
+
+    @staticmethod
+    def spent(before: Mark, after: Mark, role: str) -> tuple[float, float]:
+        """CPU seconds of the role's processes, and of its sessions, between the marks.
+
+        A session that opened after `before` counts from zero: all of its CPU
+        was spent in between.
+        """
+        processes = sum(s - before.processes.get(role, {}).get(pid, 0.0)
+                        for pid, s in after.processes.get(role, {}).items())
+        sessions = sum(s - before.sessions.get(pid, 0.0)
+                       for pid, s in after.sessions.items() if after.owner.get(pid) == role)
+        return processes, sessions
+
+
+async def _backlog(conn: asyncpg.Connection) -> int:
+    return await conn.fetchval("SELECT count(*) FROM webhook_delivery WHERE state = 'pending'")
+
+
+async def _drained(conn: asyncpg.Connection) -> float | None:
+    """Seconds until nothing is pending; None if still something after DRAIN_WAIT_SECONDS."""
+    started = time.monotonic()
+    while time.monotonic() - started < DRAIN_WAIT_SECONDS:
+        if await _backlog(conn) == 0:
+            return round(time.monotonic() - started, 2)
+        await asyncio.sleep(0.05)  # polling the backlog, bounded by DRAIN_WAIT_SECONDS
+    return None
+
+
+async def delivered_check(service_url: str, client_id: int, run: RunResult) -> tuple[bool, str]:
+    """Every payment of the round that succeeded has its event, and its event's webhook was delivered."""
+    conn = await asyncpg.connect(service_url)
+    try:
+        row = await conn.fetchrow(
+            "SELECT count(*) AS succeeded, count(d.event_id) FILTER (WHERE d.state = 'delivered') AS delivered "
+            "FROM payment p LEFT JOIN event e ON e.payment_id = p.id "
+            "LEFT JOIN webhook_delivery d ON d.event_id = e.id "
+            "WHERE p.client_id = $1 AND p.status = 'succeeded' AND p.reference = ANY($2::text[])",
+            client_id, [p.reference for p in run.paid])
+    finally:
+        await conn.close()
+    ok = row["succeeded"] == row["delivered"] == run.succeeded
+    return ok, f"{run.succeeded} answered 201, {row['succeeded']} succeeded, {row['delivered']} webhooks delivered"
+
+
+async def side_by_side(apis: dict[str, Service], worker: Service, loads: dict[str, Load], server_url: str,
+                       service_url: str, count: int, seconds: float) -> tuple[dict[str, Any], dict[str, list]]:
+    """`count` rounds of new payments against both APIs at once: the figures, and each side's results to check."""
+    conn = await asyncpg.connect(server_url)
+    service = await asyncpg.connect(service_url)
+    meter = Meter(conn, server_url, {**apis, "worker": worker})
+    rounds: list[dict[str, Any]] = []
+    results: dict[str, list[RunResult]] = {side: [] for side in SIDES}
+    try:
+        await asyncio.gather(*(loads[side].new_payments(1.0) for side in SIDES))  # connections up
+        await _drained(service)
+        idle_from, idle_started = await meter.mark(), time.monotonic()
+        await asyncio.sleep(IDLE_SECONDS)  # measuring the worker's CPU at rest, not waiting for anything
+        idle_cpu, idle_sessions = Meter.spent(idle_from, await meter.mark(), "worker")
+        idle_seconds = time.monotonic() - idle_started
+        rest = (idle_cpu / idle_seconds, idle_sessions / idle_seconds)  # CPU s per s: the worker's, its sessions'
+        for _ in range(count):
+            before, started = await meter.mark(), time.monotonic()
+            ran = dict(zip(SIDES, await asyncio.gather(*(loads[side].new_payments(seconds) for side in SIDES))))
+            load_end = await meter.mark()
+            drained = await _drained(service)
+            after = await meter.mark()
+            elapsed = time.monotonic() - started
+            figures: dict[str, Any] = {"drained_after_end_s": drained, "seconds": round(elapsed, 2)}
+            for side in SIDES:
+                results[side].append(ran[side])
+                api, sessions = Meter.spent(before, load_end, side)
+                n = max(1, ran[side].succeeded)
+                figures[side] = {"payments": ran[side].succeeded, "per_second": round(ran[side].per_second, 1),
+                                 "api_ms": round(1000 * api / n, 4), "sessions_ms": round(1000 * sessions / n, 4)}
+            worker_cpu, worker_sessions = Meter.spent(before, after, "worker")
+            n = max(1, ran["with"].succeeded)
+            figures["with"] |= {
+                "worker_ms_with_its_rest": round(1000 * worker_cpu / n, 4),
+                "worker_sessions_ms_with_their_rest": round(1000 * worker_sessions / n, 4),
+                "worker_ms": round(1000 * max(0.0, worker_cpu - rest[0] * elapsed) / n, 4),
+                "worker_sessions_ms": round(1000 * max(0.0, worker_sessions - rest[1] * elapsed) / n, 4),
+            }
+            mapped = any(after.owner.get(pid) == "without" for pid in after.sessions)
+            for side in SIDES:
+                f = figures[side]
+                f["service_ms"] = round(f["api_ms"] + f["sessions_ms"] + f.get("worker_ms", 0.0)
+                                        + f.get("worker_sessions_ms", 0.0), 4) if mapped else None
+            w, wo = figures["with"], figures["without"]
+            figures["cpu_ratio"] = round(w["service_ms"] / wo["service_ms"], 4) \
+                if mapped and wo["service_ms"] else None
+            figures["rate_ratio"] = round(w["per_second"] / wo["per_second"], 4) if wo["per_second"] else None
+            rounds.append(figures)
+    finally:
+        await service.close()
+        await conn.close()
+    return summary(rounds) | {"worker_at_rest_cpu_ms_per_s": [round(1000 * r, 3) for r in rest]}, results
+
+
+def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The medians over rounds of the service's CPU per payment on each side, and of the rounds' ratios."""
+    def median(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return round(statistics.median(present), 4) if present else None
+
+    parts = ("api_ms", "sessions_ms", "worker_ms", "worker_sessions_ms", "service_ms", "per_second")
+    return {
+        "rounds": rounds,
+        "cpu_ratio": median([r["cpu_ratio"] for r in rounds]),
+        "rate_ratio": median([r["rate_ratio"] for r in rounds]),
+        "medians": {side: {part: median([r[side].get(part) for r in rounds]) for part in parts
+                           if any(part in r[side] for r in rounds)} for side in SIDES},
+        "all_drained": all(r["drained_after_end_s"] is not None for r in rounds),
+        "drained_after_end_s": [r["drained_after_end_s"] for r in rounds],
+    }
