@@ -282,7 +282,8 @@ class CpuMark:
     machine: float = 0.0
 
 
-def _cpu(process: psutil.Process) -> float | None:
+def cpu_of(process: psutil.Process) -> float | None:
+    """CPU seconds (user + system) of one process so far; None if it is gone or not ours to read."""
     try:
         times = process.cpu_times()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -315,18 +316,18 @@ class CpuMeter:
     async def mark(self, roles: dict[str, list[psutil.Process]]) -> CpuMark:
         """CPU seconds so far of this process, of each role's processes, of PostgreSQL, of the rest."""
         mark = CpuMark()
-        mark.seconds[LOAD_GENERATOR] = {os.getpid(): _cpu(psutil.Process()) or 0.0}
+        mark.seconds[LOAD_GENERATOR] = {os.getpid(): cpu_of(psutil.Process()) or 0.0}
         for role, processes in roles.items():
-            mark.seconds[role] = {p.pid: s for p in processes if (s := _cpu(p)) is not None}
+            mark.seconds[role] = {p.pid: s for p in processes if (s := cpu_of(p)) is not None}
         if self.postmaster is not None:
             databases = dict(await self.conn.fetch("SELECT pid, datname FROM pg_stat_activity"))
             for process in [self.postmaster, *self.postmaster.children()]:
-                if (seconds := _cpu(process)) is not None:
+                if (seconds := cpu_of(process)) is not None:
                     part = PG_PARTS.get(databases.get(process.pid), PG_PARTS["other"])
                     mark.seconds.setdefault(part, {})[process.pid] = seconds
         known = {pid for pids in mark.seconds.values() for pid in pids}
         for process in psutil.process_iter(["name", "ppid"]):
-            if process.pid not in known and (seconds := _cpu(process)) is not None:
+            if process.pid not in known and (seconds := cpu_of(process)) is not None:
                 # Kernel threads are children of kthreadd (pid 2): writeback, I/O completion...
                 kernel = process.info["ppid"] == 2 or process.pid == 2
                 (mark.kernel if kernel else mark.others)[process.pid] = (process.info["name"], seconds)

@@ -24,10 +24,10 @@ The worker's other loops (recovery, retention, reconciliation) sweep all
 the time, webhooks or not: a deployment without endpoints runs them too. So
 the worker's CPU while idle is measured first (`IDLE_SECONDS` with no load),
 and that rate times each round's length is taken off the worker's CPU in
-the round; the figures keep both. The database sessions are told apart by their client port: the
-ports of each process's connections to the server against pg_stat_activity.
-A server reached over a Unix socket has no client ports: the figure is then
-n/a, not a guess.
+the round; the figures keep both. The database sessions are told apart by
+their client port: the ports of each process's connections to the server
+against pg_stat_activity. A server reached over a Unix socket has no client
+ports: the figure is then n/a, not a guess.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import asyncpg
 import psutil
 
 from app.config import libpq_url
+from bench.costs import cpu_of
 from bench.load import Load, RunResult
 from bench.system import Service
 
@@ -53,12 +54,11 @@ IDLE_SECONDS = 5.0
 SIDES = ("without", "with")
 
 
-def _cpu(pid: int) -> float | None:
+def _session_cpu(pid: int) -> float | None:
     try:
-        times = psutil.Process(pid).cpu_times()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return cpu_of(psutil.Process(pid))
+    except psutil.Error:  # the session ended between the listing and the read
         return None
-    return times.user + times.system
 
 
 @dataclass
@@ -81,8 +81,9 @@ class Meter:
         mark = Mark()
         ports: dict[int, str] = {}
         for role, service in self.roles.items():
-            mark.processes[role] = {p.pid: s for p in service.tree() if (s := _cpu(p.pid)) is not None}
-            for process in service.tree():
+            tree = service.tree()
+            mark.processes[role] = {p.pid: s for p in tree if (s := cpu_of(p)) is not None}
+            for process in tree:
                 try:
                     connections = process.net_connections(kind="tcp")
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -93,7 +94,7 @@ class Meter:
         await self.conn.execute("SELECT pg_stat_clear_snapshot()")
         for pid, port in await self.conn.fetch(
                 "SELECT pid, client_port FROM pg_stat_activity WHERE backend_type = 'client backend'"):
-            if (seconds := _cpu(pid)) is not None:
+            if (seconds := _session_cpu(pid)) is not None:
                 mark.sessions[pid] = seconds
                 if port in ports:
                     mark.owner[pid] = ports[port]
@@ -113,15 +114,17 @@ class Meter:
         return processes, sessions
 
 
-async def _backlog(conn: asyncpg.Connection) -> int:
+async def backlog(conn: asyncpg.Connection) -> int:
+    """Deliveries not yet delivered or given up."""
     return await conn.fetchval("SELECT count(*) FROM webhook_delivery WHERE state = 'pending'")
 
 
-async def _drained(conn: asyncpg.Connection) -> float | None:
-    """Seconds until nothing is pending; None if still something after DRAIN_WAIT_SECONDS."""
+async def drained(conn: asyncpg.Connection) -> float | None:
+    """Seconds until nothing is pending (the dispatcher has caught up); None if something still is after
+    DRAIN_WAIT_SECONDS."""
     started = time.monotonic()
     while time.monotonic() - started < DRAIN_WAIT_SECONDS:
-        if await _backlog(conn) == 0:
+        if await backlog(conn) == 0:
             return round(time.monotonic() - started, 2)
         await asyncio.sleep(0.05)  # polling the backlog, bounded by DRAIN_WAIT_SECONDS
     return None
@@ -153,20 +156,20 @@ async def side_by_side(apis: dict[str, Service], worker: Service, loads: dict[st
     results: dict[str, list[RunResult]] = {side: [] for side in SIDES}
     try:
         await asyncio.gather(*(loads[side].new_payments(1.0) for side in SIDES))  # connections up
-        await _drained(service)
+        await drained(service)
         idle_from, idle_started = await meter.mark(), time.monotonic()
         await asyncio.sleep(IDLE_SECONDS)  # measuring the worker's CPU at rest, not waiting for anything
         idle_cpu, idle_sessions = Meter.spent(idle_from, await meter.mark(), "worker")
         idle_seconds = time.monotonic() - idle_started
-        rest = (idle_cpu / idle_seconds, idle_sessions / idle_seconds)  # CPU s per s: the worker's, its sessions'
+        rest_cpu, rest_sessions = idle_cpu / idle_seconds, idle_sessions / idle_seconds  # CPU s per s
         for _ in range(count):
             before, started = await meter.mark(), time.monotonic()
             ran = dict(zip(SIDES, await asyncio.gather(*(loads[side].new_payments(seconds) for side in SIDES))))
             load_end = await meter.mark()
-            drained = await _drained(service)
+            caught_up = await drained(service)
             after = await meter.mark()
             elapsed = time.monotonic() - started
-            figures: dict[str, Any] = {"drained_after_end_s": drained, "seconds": round(elapsed, 2)}
+            figures: dict[str, Any] = {"drained_after_end_s": caught_up, "seconds": round(elapsed, 2)}
             for side in SIDES:
                 results[side].append(ran[side])
                 api, sessions = Meter.spent(before, load_end, side)
@@ -178,8 +181,8 @@ async def side_by_side(apis: dict[str, Service], worker: Service, loads: dict[st
             figures["with"] |= {
                 "worker_ms_with_its_rest": round(1000 * worker_cpu / n, 4),
                 "worker_sessions_ms_with_their_rest": round(1000 * worker_sessions / n, 4),
-                "worker_ms": round(1000 * max(0.0, worker_cpu - rest[0] * elapsed) / n, 4),
-                "worker_sessions_ms": round(1000 * max(0.0, worker_sessions - rest[1] * elapsed) / n, 4),
+                "worker_ms": round(1000 * max(0.0, worker_cpu - rest_cpu * elapsed) / n, 4),
+                "worker_sessions_ms": round(1000 * max(0.0, worker_sessions - rest_sessions * elapsed) / n, 4),
             }
             mapped = any(after.owner.get(pid) == "without" for pid in after.sessions)
             for side in SIDES:
@@ -194,7 +197,7 @@ async def side_by_side(apis: dict[str, Service], worker: Service, loads: dict[st
     finally:
         await service.close()
         await conn.close()
-    return summary(rounds) | {"worker_at_rest_cpu_ms_per_s": [round(1000 * r, 3) for r in rest]}, results
+    return summary(rounds) | {"worker_at_rest_cpu_ms_per_s": [round(1000 * rest_cpu, 3), round(1000 * rest_sessions, 3)]}, results
 
 
 def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:

@@ -364,9 +364,9 @@ async def _finish_reading(response: aiohttp.ClientResponse) -> None:
 
     aiohttp closes a connection whose answer was left unread, and a
     merchant's framework often sends the body a moment after the headers
-    (uvicorn does): left unread, about one connection in twenty was closed
-    and opened again in `python -m bench.webhook_cpu`, a TCP handshake and
-    a new protocol on both sides. A long or unsized body is not read (a
+    (uvicorn does): left unread, about one POST in sixteen had to open a
+    new connection in `python -m bench.webhook_cpu`, a TCP handshake and a
+    new protocol on both sides. A long or unsized body is not read (a
     receiver must not make us read megabytes), and its connection is
     closed. The status is the answer either way: a body that stalls or
     breaks is not an error of the delivery.
