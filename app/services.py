@@ -1,7 +1,7 @@
 """The long-lived things a process needs: settings, the database, the rail clients.
 
 Built once per process: by `create_app` for the API, by `payments worker` for
-the recovery worker. Both then drive payments through the same runner.
+the recovery worker. Both then drive payments through the same engine.
 """
 
 from __future__ import annotations

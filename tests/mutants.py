@@ -21,10 +21,9 @@ subprocess started outside the copy must import each mutated module from it.
 
 A mutant is KILLED when its tests fail (pytest exit code 1) and SURVIVED
 when they pass; anything else (a test id that no longer exists, a collection
-error, a timeout) is an ERROR, not a kill. Some mutants also name tests that
-must still pass (`still_pass`): they prove the mutant is well-formed (the
-fence mutant is consistent across every written-out copy) and that the kill
-comes from behaviour. Before the mutants, the tests are run once on the
+error, a timeout) is an ERROR, not a kill. A mutant may also name tests that
+must still pass (`still_pass`): they prove the mutant is well-formed and that
+the kill comes from behaviour. Before the mutants, the tests are run once on the
 unmutated copy (the baseline): a kill means nothing if they fail anyway.
 
 The exit status is non-zero if any mutant survives, errs, or no longer finds
@@ -88,27 +87,20 @@ MUTANTS = (
                 "app/idempotency/store.py",
                 "       AND lease_token = :token AND state = 'started'\n    RETURNING payment_id",
                 "       AND state = 'started'\n    RETURNING payment_id",
-                count=2,  # ADVANCE_SQL, FINISH_SQL
-            ),
-            Edit(
-                "app/payments/sql.py",
-                "           AND lease_token = :token AND state = 'started'\n        RETURNING payment_id",
-                "           AND state = 'started'\n        RETURNING payment_id",
-                count=6,  # their written-out copies, in every hot-path statement (a return's refund too)
+                count=2,  # ADVANCE_SQL, FINISH_SQL: the fence of every statement built from them
             ),
         ),
         (
             PHASES + "test_a_phase_run_under_a_lease_that_was_taken_over_writes_nothing",
             CRASH + "test_a_stalled_owner_cannot_commit_after_its_operation_was_taken_over",
         ),
-        still_pass=("tests/unit/test_phase_sql.py",),
     ),
     Mutant(
         "probe",
         "a resumer probes before it sends, and sends nothing the probe found",
         (
             Edit(
-                "app/payments/runner.py",
+                "app/machine/engine.py",
                 "    if op.resumed:\n        # A dead or timed-out attempt",
                 "    if False:  # MUTANT: a resumer sends without probing\n        # A dead or timed-out attempt",
             ),
@@ -138,11 +130,11 @@ MUTANTS = (
         "no transaction (and no pooled connection) is held while the PSP or the rail is called",
         (
             Edit(
-                "app/payments/runner.py",
-                "        outcome = await _call(services, step, op)\n",
+                "app/machine/engine.py",
+                "        outcome = await _call(services, call, op)\n",
                 "        async def holding(conn):  # MUTANT: the call made inside an open transaction\n"
                 "            await keys.load(conn, op.lease.client_id, op.lease.key)\n"
-                "            return await _call(services, step, op)\n"
+                "            return await _call(services, call, op)\n"
                 "        outcome = await atomic(services.engine, holding)\n",
             ),
         ),
@@ -168,9 +160,9 @@ MUTANTS = (
         "a key reused for a different request is refused (422), never treated as a retry",
         (
             Edit(
-                "app/payments/service.py",
-                "    if row.endpoint != phases.ENDPOINT or row.request_hash != request_hash:\n",
-                "    if row.endpoint != phases.ENDPOINT:  # MUTANT: the fingerprint is not compared\n",
+                "app/machine/matrix.py",
+                "    if row.endpoint != machine.endpoint or row.request_hash != request_hash:\n",
+                "    if row.endpoint != machine.endpoint:  # MUTANT: the fingerprint is not compared\n",
             ),
         ),
         (
@@ -199,7 +191,7 @@ MUTANTS = (
         "a payout to a rail that cannot deduplicate is never sent again by a resumer",
         (
             Edit(
-                "app/payments/runner.py",
+                "app/machine/engine.py",
                 '    if op.resumed:\n        return Unknown("the payout may have been sent',
                 '    if False:  # MUTANT: a resumer sends the legacy payout again\n'
                 '        return Unknown("the payout may have been sent',
@@ -215,10 +207,14 @@ MUTANTS = (
         "the refund is sent with its derived key K3, so a resumer finds it instead of refunding again",
         (
             Edit(
-                "app/payments/runner.py",
-                "        send=lambda s, p: s.psp.refund(p.psp_refund_key, p),",
-                "        send=lambda s, p: s.psp.refund(__import__('uuid').uuid4().hex, p),  # MUTANT: a fresh key",
-                count=2,  # the refund of a rejected payout (K3) and of a returned one (K4)
+                "app/payments/payment.py",
+                "            send=lambda s, p: s.psp.refund(p.psp_refund_key, p),",
+                "            send=lambda s, p: s.psp.refund(__import__('uuid').uuid4().hex, p),  # MUTANT: a fresh key",
+            ),
+            Edit(  # the refund of a returned payout (K4), the other operation's call
+                "app/payments/returns.py",
+                "            send=lambda s, p: s.psp.refund(p.psp_refund_key, p),",
+                "            send=lambda s, p: s.psp.refund(__import__('uuid').uuid4().hex, p),  # MUTANT: a fresh key",
             ),
         ),
         (
@@ -231,7 +227,7 @@ MUTANTS = (
         "a reference belongs to one live payment: a second key for it is refused 409 duplicate-payment",
         (
             Edit(
-                "app/payments/sql.py",
+                "app/payments/phases.py",
                 "        ON CONFLICT (client_id, reference) WHERE status NOT IN ('declined', 'failed') DO NOTHING\n",
                 "",
             ),

@@ -8,8 +8,8 @@ Why: on SIGTERM, uvicorn (0.54) stops accepting, waits up to
 `timeout_graceful_shutdown` (SHUTDOWN_GRACE_SECONDS) for requests to finish,
 then cancels the ones left and, *in the same breath, without waiting for
 them*, runs the lifespan's shutdown, which disposes the engine; then the
-process exits. A payment cancelled in the runner gives its lease back from
-its `except BaseException` branch (app/payments/runner.py::drive, under
+process exits. A payment cancelled in the engine gives its lease back from
+its `except BaseException` branch (app/machine/engine.py::drive, under
 `asyncio.shield`), but that needs the database: left alone, the process is
 gone before the release commits, and the client's retry on another replica
 gets 409 until LEASE_SECONDS (30 by default) have passed. Waiting here, for

@@ -13,12 +13,13 @@ The rail delivers each notification at least once, retrying until we answer
     otherwise                          -> 200 applied: returned, booked, the
                                           refund driven after the answer
 
-The effect and the inbox row commit together (app/payments/returns.py), and
-only then is the rail answered: a crash between the two leaves the effect
-recorded, so the rail's redelivery is a duplicate and is dropped. The
-compensating refund runs after the answer is sent (a background task of the
-request), so the rail never waits on the PSP; if this process dies first,
-the recovery worker finishes it.
+The service (app/payments/returns.py) commits the effect together with the
+inbox row, and only then is the rail answered: a crash between the two
+leaves the effect recorded, so the rail's redelivery is a duplicate and is
+dropped. The compensating refund runs after the answer is sent (the
+service's `follow_up`, as a background task of the request), so the rail
+never waits on the PSP; if this process dies first, the recovery worker
+finishes it.
 
 Authentication is the rail's Standard Webhooks signature, verified with the
 same library our outbox signs with (`standardwebhooks`), under the shared
@@ -29,7 +30,6 @@ API key of ours.
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 from fastapi import APIRouter, BackgroundTasks, Request
@@ -38,14 +38,10 @@ from pydantic import ValidationError
 from standardwebhooks import Webhook, WebhookVerificationError
 
 from app.api.deps import ServicesDep
-from app.db.transaction import atomic
-from app.payments import crash_points, returns
-from app.payments.recovery_points import EXT4_SENT
+from app.payments import returns
 from app.problems import INVALID_NOTIFICATION, RAIL_UNAUTHENTICATED, RETURN_TOO_EARLY, ProblemError
 from app.rails.answers import ReturnNotification
-from app.services import Services
 
-log = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -82,24 +78,10 @@ async def rail_notification(request: Request, services: ServicesDep, background:
         raise ProblemError(INVALID_NOTIFICATION, _first_error(exc)) from None
     if notification.id != message_id:
         raise ProblemError(INVALID_NOTIFICATION, "the body's id is not the signed webhook-id")
-    try:
-        recorded = await atomic(
-            services.engine, returns.record_return, notification.data,
-            source="notification", message_id=message_id, body=json.loads(body),
-            lease_seconds=settings.lease_seconds,
-        )
-    except returns.ReturnTooEarly as exc:
-        raise ProblemError(
-            RETURN_TOO_EARLY, str(exc), headers={"Retry-After": str(settings.retry_after_seconds)}
-        ) from None
-    if recorded.operation is not None:
-        # Recorded, not yet acknowledged: the gap the rail's redelivery covers.
-        crash_points.reached(settings.payments_crash_at, f"after-commit-{EXT4_SENT}")
-        background.add_task(_compensate, services, recorded.operation)
-    elif recorded.compensation is not None:
-        # A redelivery of an applied return: if the refund's owner died, this
-        # is a retry like any other, and finishes it (a live owner keeps it).
-        background.add_task(_resume, services, *recorded.compensation)
+    recorded = await returns.receive_notification(
+        services, notification.data, message_id=message_id, body=json.loads(body)
+    )
+    background.add_task(returns.follow_up, services, recorded)
     payment = recorded.payment
     return JSONResponse(
         {
@@ -127,17 +109,3 @@ def _first_error(exc: ValidationError) -> str:
     error = exc.errors()[0]
     where = ".".join(str(p) for p in error["loc"]) or "body"
     return f"{where}: {error['msg']}"
-
-
-async def _compensate(services: Services, op) -> None:
-    try:
-        await returns.compensate(services, op)
-    except Exception:  # logged; the lease runs out and the recovery worker resumes it
-        log.exception("compensation of %r was interrupted; the recovery worker will finish it", op.lease.key)
-
-
-async def _resume(services: Services, client_id: int, key: str) -> None:
-    try:
-        await returns.resume(services, client_id, key)
-    except Exception:
-        log.exception("resuming compensation %r failed; the recovery worker will finish it", key)

@@ -55,7 +55,7 @@ from app.api.routes import final_response
 from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
 from app.observability import metrics
 from app.payments.models import PaymentRequest
-from app.payments.runner import Finished
+from app.machine.engine import Finished
 from app.payments.service import fingerprint, stored_response
 
 Scope = MutableMapping[str, Any]

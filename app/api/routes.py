@@ -22,7 +22,7 @@ from app.observability import metrics
 from app.outbox import events
 from app.payments import store as payments
 from app.payments.models import PaymentRequest, PaymentView
-from app.payments.runner import Finished
+from app.machine.engine import Finished
 from app.payments.service import submit_payment
 from app.problems import CATALOGUE, NOT_FOUND, SERVICE_UNAVAILABLE, ProblemError
 
@@ -77,7 +77,7 @@ async def create_payment(services: ServicesDep, caller: Caller, body: PaymentReq
         if reply.replayed:
             metrics.REPLAYED_BY_ROUTE.inc()
         return final_response(outcome, replayed=reply.replayed)
-    payment = outcome.payment
+    payment = outcome.subject
     return Response(
         PaymentView.of(payment).body(),
         202,

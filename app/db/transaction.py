@@ -9,7 +9,7 @@ together with its recovery point, or not at all. `one_statement` runs a phase
 that is a single statement, which PostgreSQL makes atomic by itself.
 
 Because the connection goes back to the pool when the phase returns, nothing
-holds a transaction or a pooled connection while the runner waits on the PSP or
+holds a transaction or a pooled connection while the engine waits on the PSP or
 the rail: that is rule 3 of the design, enforced here by construction.
 """
 

@@ -9,10 +9,9 @@ stopped (`LeaseLost`). Lease times use the database's clock, never a
 replica's, so clock skew between replicas cannot make two of them believe they
 own the same request.
 
-CLAIM_SQL, ADVANCE_SQL and FINISH_SQL are the canonical text of the first
-step (the "fence") of the single-statement phases: app/payments/sql.py
-writes each statement out whole, and tests/unit/test_phase_sql.py checks
-that every copy of a fence there is this text, word for word. The functions here (load,
+CLAIM_SQL, ADVANCE_SQL and FINISH_SQL are the first step (the "fence") of
+every single-statement phase: app/machine/statements.py puts each phase's
+statement together from one of them. The functions here (load,
 take_over, release, park, unpark, stranded, backlog) take a connection from
 `app.db.transaction` (inside a transaction, or as a single statement) and
 never commit; `load_caller`, the read that starts every POST, runs on the
@@ -99,7 +98,7 @@ _EVENT_IN_PLACE = _event(recovery_point="recovery_point")  # the recovery point 
 _EVENT_NEW_ATTEMPT = _event(recovery_point="recovery_point", attempt="attempts + 1")  # a takeover
 
 # The claim, the advance and the finish below are also the first step (the
-# "fence") of the single-statement phases, written out in app/payments/sql.py.
+# "fence") of the single-statement phases (app/machine/statements.py).
 #
 # The claim calls claim_idempotency_key (migration 0006): it takes an
 # advisory lock on (client_id, key), looks for the key in every day's
@@ -107,7 +106,7 @@ _EVENT_NEW_ATTEMPT = _event(recovery_point="recovery_point", attempt="attempts +
 # today's partition only if the key is nowhere. It returns the new lease
 # token, or NULL (so no row here) when the key exists: the caller then reads
 # the stored row. Its INSERT fails with "no partition ... found for row" if
-# today's partition is missing (app/payments/phases.py answers that 503).
+# today's partition is missing (app/machine/matrix.py::_start answers that 503).
 CLAIM_SQL = """
     SELECT claimed.lease_token
       FROM claim_idempotency_key(:client_id, :key, :endpoint, :request_hash, :recovery_point,
@@ -152,7 +151,7 @@ _TAKE_OVER = text(
 
 # The fencing check is the `lease_token = :token` in the WHERE clause: a stale
 # owner's UPDATE matches no row, so nothing that joins it is written either
-# (app/payments/sql.py), and the caller raises LeaseLost.
+# (app/machine/statements.py), and the caller raises LeaseLost.
 ADVANCE_SQL = f"""
     UPDATE idempotency_key
        SET recovery_point = :recovery_point,

@@ -53,11 +53,20 @@ def charge_refunded(p: Payment) -> list[tuple[str, int, int]]:
     ]
 
 
-def legs(posting: str, entries: list[tuple[str, int, int]]) -> dict[str, object]:
-    """The posting as statement parameters, checked to balance before it is written.
+# The legs of a posting, as one CTE of a phase's statement (app/machine/statements.py):
+# inserted FROM `updated`, the payment row the phase's fenced UPDATE returned,
+# so a stale owner's statement posts nothing. The parameters come from `legs`.
+POSTED = """
+    INSERT INTO ledger_entry (payment_id, posting, account, debit_minor, credit_minor, currency)
+    SELECT updated.id, CAST(:posting AS text), leg.account, leg.debit, leg.credit, updated.currency
+      FROM updated,
+           unnest(CAST(:accounts AS text[]), CAST(:debits AS bigint[]), CAST(:credits AS bigint[]))
+             AS leg(account, debit, credit)
+"""
 
-    (The legs are inserted by the phase's own statement, see app/payments/sql.py.)
-    """
+
+def legs(posting: str, entries: list[tuple[str, int, int]]) -> dict[str, object]:
+    """The posting as statement parameters, checked to balance before it is written."""
     # Zero-amount legs (a zero fee) carry no information and would break the
     # one-sided CHECK, so they are left out.
     entries = [e for e in entries if e[1] or e[2]]

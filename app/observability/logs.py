@@ -23,7 +23,7 @@ task carries them, whichever module logs it: client_id, payment_id,
 key_hash (`key_hash`: a short hash of the Idempotency-Key, never the key,
 which is the client's own text), recovery_point, attempt and lease_token.
 Each API request runs in a task of its own, so what one binds never reaches
-another; the runner rebinds them at every step (app/payments/runner.py); a
+another; the engine rebinds them at every step (app/machine/engine.py); a
 loop that drives several payments in one task opens a `payment_scope` for
 each, so no line is ever stamped with the previous payment's fields.
 

@@ -1,9 +1,9 @@
 """Every Prometheus metric the service exports, defined once, here.
 
 Where it sits: a leaf below every layer. The API counts requests, problems
-and replays (app/api/metrics.py, app/api/replay_shortcut.py); the runner
+and replays (app/api/metrics.py, app/api/replay_shortcut.py); the engine
 counts new and finished payments, takeovers, releases and parks
-(app/payments/runner.py); the rail clients time every exchange with the PSP
+(app/machine/engine.py); the rail clients time every exchange with the PSP
 and the rail (app/rails/client.py); the worker reports its sweeps, its
 backlog and reconciliation (app/workers/). docs/operations.md lists them all,
 with the alerts to set on them; tests/unit/test_operations_doc.py keeps that
@@ -111,7 +111,7 @@ TAKEOVERS = Counter(
 RELEASES = Counter(
     "payments_releases",
     "Operations given back at a SENT point without an applied answer, for a later attempt, by recovery point "
-    "and cause (unknown, not_applied, error, stopping).",
+    "and cause (unknown, settling, not_applied, error, stopping).",
     ["recovery_point", "cause"], registry=REGISTRY,
 )
 PARKS = Counter(
@@ -129,7 +129,7 @@ UNPARKS = Counter(
 EXTERNAL_CALLS = Histogram(
     "payments_external_call_duration_seconds",
     "Exchanges with the PSP and the rail: how long each took, by system (psp, rail), call (send, probe, "
-    "statement) and outcome class (applied, not_applied, not_found, unknown).",
+    "statement) and outcome class (applied, not_applied, settling, not_found, unknown).",
     ["system", "call", "outcome"], buckets=_CALL_BUCKETS, registry=REGISTRY,
 )
 

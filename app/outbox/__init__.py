@@ -1,8 +1,8 @@
 """The outbox: what a client must hear about, written with the decision, delivered after the commit.
 
 Where it sits: beside the key table and the ledger, below the payment phases.
-A phase that decides something a client must hear about (app/payments/sql.py,
-app/payments/phases.py::park) writes an `event` row, and a `webhook_delivery`
+A phase that decides something a client must hear about (app/payments/phases.py,
+app/payments/phases.py::indeterminate) writes an `event` row, and a `webhook_delivery`
 row if the client has a webhook endpoint, in the same statement or
 transaction as the decision (events.py). Nothing is sent then: the worker's
 dispatcher (app/workers/webhooks.py) later claims due deliveries, POSTs each

@@ -3,8 +3,8 @@
 An event is written by the statement (or transaction) that makes its
 decision, never after it: so a crash can never leave a decision without its
 event, or an event without its decision. On the hot path the write is two
-more CTEs of the phase's own statement (EMIT_SQL, copied into
-app/payments/sql.py and checked word for word by tests/unit/test_phase_sql.py),
+more CTEs of the phase's own statement (EMIT_SQL, which
+app/machine/statements.py appends to every statement that finishes),
 reading from the fence: a stale owner's statement writes no event either.
 Parking, which is a short transaction of its own, calls `emit`.
 
@@ -12,12 +12,12 @@ Parking, which is a short transaction of its own, calls `emit`.
     payment.succeeded       phases.record_transfer (accepted) succeeded
     payment.declined        phases.record_charge (declined)   declined
     payment.failed          phases.record_refund              failed (refunded)
-    payment.indeterminate   phases.park                       indeterminate
+    payment.indeterminate   phases.indeterminate (parking)    indeterminate
     payment.returned        returns.record_return             returned (refund under way)
-    payment.refunded        phases.record_return_refund       refunded (after a return)
+    payment.refunded        returns.record_return_refund      refunded (after a return)
 
 A payout settled by reconciliation goes through the same phases
-(phases.settle_parked), so it emits `payment.succeeded`, or, once its refund
+(app/machine/engine.py::settle_parked), so it emits `payment.succeeded`, or, once its refund
 is recorded, `payment.failed`. `data` is the payment as `GET
 /v1/payments/{id}` shows it at that moment (a finished payment's is its
 stored response, the same text). Ids are UUIDv7 made by the database when

@@ -1,1 +1,1 @@
-"""The payment operation: its recovery points, its phases, and the runner."""
+"""The payment and the refund of a returned payout: their machines (payment.py, returns.py), phases and rows."""

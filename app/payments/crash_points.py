@@ -1,10 +1,8 @@
-"""Named points where a process can be made to die, for crash tests and demos.
+"""The named points where a process can be made to die, for crash tests and demos.
 
-A process started with `PAYMENTS_CRASH_AT=<point>` calls `os._exit` the first
-time it reaches that point: no `finally` blocks, no connection clean-up, no
-response, exactly what a SIGKILL or a power cut would leave. The point is read
-from the environment once, at start-up; nothing in a request can choose or
-trigger one.
+A process started with `PAYMENTS_CRASH_AT=<point>` dies the first time it
+reaches that point (app/machine/crash.py). `payments crash-points` lists
+these; `validate` refuses, at start-up, a name that is not one of them.
 
 The points cover every gap between durable facts on a payment's path, for
 each external step N:
@@ -31,9 +29,6 @@ dispatcher of `payments worker` (app/workers/webhooks.py):
 
 from __future__ import annotations
 
-import os
-import sys
-
 from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT, EXT4_SENT, FINISHED
 
 POINTS: dict[str, str] = {
@@ -52,19 +47,8 @@ POINTS: dict[str, str] = {
     "webhook-after-delivery": "The merchant answered a webhook POST; the attempt is not recorded yet.",
 }
 
-# Which external call each SENT point makes (for the after-call-EXTN names).
-CALL_OF = {EXT1_SENT: "EXT1", EXT2_SENT: "EXT2", EXT3_SENT: "EXT3", EXT4_SENT: "EXT4"}
-
 
 def validate(point: str | None) -> str | None:
     if point is not None and point not in POINTS:
         raise ValueError(f"unknown crash point {point!r}; `payments crash-points` lists them")
     return point
-
-
-def reached(configured: str | None, point: str) -> None:
-    """Die here, at once and without clean-up, if this process was told to."""
-    if configured == point:
-        sys.stderr.write(f"PAYMENTS_CRASH_AT={point}: exiting now, as a crash would\n")
-        sys.stderr.flush()
-        os._exit(137)

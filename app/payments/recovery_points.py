@@ -23,7 +23,7 @@ a crash between any two of them leaves one of the points below.
     finished   the payment has its final status and the response is stored.
 
 A returned payout is compensated by an operation of its own (a key row of
-its own, app/payments/returns.py), driven by the same runner:
+its own, app/payments/returns.py), driven by the same engine:
 
     EXT4_SENT  the rail returned the payout and we recorded it (the payment
                is `returned`, the ledger has `payout_returned`), and the

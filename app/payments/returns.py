@@ -1,4 +1,11 @@
-"""Returned payouts: the rail's message through our inbox, and the compensation it starts.
+"""Returned payouts: the rail's message through our inbox, and the refund operation it starts.
+
+This module declares a second operation on the engine (`RETURN_REFUND`):
+
+    start       record_return: the inbox row, the payment returned, the
+                ledger, the event, and this operation's own key row  -> EXT4_SENT
+    EXT4_SENT   refund the charge with K4    record_return_refund   -> finished (refunded)
+
 
 Days after a payout was accepted, the beneficiary's bank may send it back
 (the account was closed: reason AC04). The rail tells us twice over: it
@@ -22,8 +29,8 @@ the inbox row, so a crash leaves either all of it or none of it:
 The compensation policy: a returned payout is refunded to the payer's card
 in full, our fee included (nobody is at fault that the account closed), and
 the payment ends `refunded`. The refund is an ordinary external step driven
-by the same runner (`drive`), from recovery point EXT4_SENT: probe by K4,
-send with K4, record (`phases.record_return_refund`). If its owner dies,
+by the same engine, from recovery point EXT4_SENT: probe by K4, send with
+K4, record (`record_return_refund`). If its owner dies,
 its lease runs out and the recovery worker takes it over, like any other
 operation. The payment's own key row is never touched: a POST replay of the
 original payment answers the response first stored; GET shows `refunded`.
@@ -50,7 +57,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from datetime import date
 from typing import Any, Literal
 
@@ -59,15 +67,19 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db.transaction import atomic
 from app.idempotency.keys import derived_key
-from app.idempotency.store import Lease, LeaseLost
+from app.idempotency.store import KeyRow, Lease, LeaseLost
 from app.ledger import postings
+from app.machine import engine
+from app.machine.crash import reached
+from app.machine.declare import FINISHED, Call, Machine, Operation, Start
+from app.machine.engine import Finished, Pending
+from app.machine.statements import finish
 from app.outbox import events
-from app.payments import phases
+from app.payments import store as payments
 from app.payments.models import Payment, PaymentView
-from app.payments.phases import Operation
 from app.payments.recovery_points import EXT4_SENT, STEP_RETURN_REFUND
-from app.payments.runner import Finished, Pending, drive
-from app.rails.answers import ReturnLine
+from app.problems import RETURN_TOO_EARLY, ProblemError
+from app.rails.answers import Refund, ReturnLine
 from app.services import Services
 
 log = logging.getLogger(__name__)
@@ -206,7 +218,7 @@ async def record_return(
     lease_seconds: float,
     window: date | None = None,
 ) -> Recorded:
-    """The inbox row and the return's whole effect, in the caller's transaction (run it with `atomic`).
+    """The start phase: the inbox row and the return's whole effect, in the caller's transaction (`atomic`).
 
     Durable after commit (applied): the inbox row, the payment `returned`,
     the `payout_returned` posting, the `payment.returned` event and the
@@ -259,10 +271,10 @@ async def record_return(
         return Recorded(outcome, payment, detail=detail)
     assert payment is not None
     op = await _apply(conn, payment, line, lease_seconds)
-    return Recorded("applied", op.payment, operation=op)
+    return Recorded("applied", op.subject, operation=op)
 
 
-async def _apply(conn: AsyncConnection, payment: Payment, line: ReturnLine, lease_seconds: float) -> Operation:
+async def _apply(conn: AsyncConnection, payment: Payment, line: ReturnLine, lease_seconds: float) -> Operation[Payment]:
     comp_key = compensation_key(line.return_id)
     refund_key = derived_key(payment.client_id, comp_key, STEP_RETURN_REFUND)
     row = (
@@ -290,20 +302,128 @@ async def _apply(conn: AsyncConnection, payment: Payment, line: ReturnLine, leas
                  event=f"returned by the rail ({line.reason_code})"),
         )
     ).scalar_one()
-    return Operation(Lease(returned.client_id, comp_key, token), EXT4_SENT, returned, resumed=False)
+    return Operation(RETURN_REFUND, Lease(returned.client_id, comp_key, token), EXT4_SENT, returned, resumed=False)
 
 
-async def compensate(services: Services, op: Operation) -> Finished | Pending | None:
+# --- EXT4's outcome: the card refunded -> finished (refunded) ---------------------------------------
+
+# The fence is the compensation's own key row; its payment_id is the returned payment.
+RETURN_REFUNDED = finish(
+    updated="""
+        UPDATE payment
+           SET status = 'refunded', psp_refund_id = :refund_id, updated_at = now()
+          FROM fence
+         WHERE payment.id = fence.payment_id
+        RETURNING payment.*
+    """,
+    posted=postings.POSTED,
+)
+
+
+async def record_return_refund(
+    conn: AsyncConnection, op: Operation[Payment], refund: Refund, lease_seconds: float
+) -> Operation[Payment]:
+    """The refund compensating a returned payout: the payment ends refunded.
+
+    Durable after commit: the refund id, the ledger's `charge_refunded`
+    posting (with `payout_returned` before it, the payment's entries sum to
+    zero on every account), status refunded, the `payment.refunded` event,
+    and the compensation's key row finished. The payment's own key row is
+    untouched: a POST replay still answers the response first stored.
+    Crash before commit: the row still says EXT4_SENT; the resumer probes
+    the PSP by K4, finds this refund and records it then: one refund, never two.
+    """
+    refunded = replace(op.subject, status="refunded", psp_refund_id=refund.id)
+    return await engine.finish(
+        conn, op, RETURN_REFUNDED, status_code=201, body=PaymentView.of(refunded).body(),
+        event="charge refunded after the return", event_type=events.REFUNDED, refund_id=refund.id,
+        **postings.legs("charge_refunded", postings.charge_refunded(op.subject)),
+    )
+
+
+async def _load(conn: AsyncConnection, row: KeyRow) -> Payment:
+    assert row.payment_id is not None
+    payment = await payments.get(conn, row.client_id, row.payment_id)
+    assert payment is not None
+    return payment
+
+
+# --- The machine --------------------------------------------------------------------------------------
+#
+# Parked, the payment stays `returned` (the client was told `payment.returned`);
+# only the refund waits for the worker's re-probe.
+RETURN_REFUND: Machine[Payment] = Machine(
+    name="return refund",
+    endpoint=COMPENSATION_ENDPOINT,
+    start=Start(record_return, "record the return through the inbox, and claim the refund", leads_to=EXT4_SENT),
+    calls={
+        EXT4_SENT: Call(
+            "EXT4", "refund the returned payment's charge at the PSP with K4",
+            send=lambda s, p: s.psp.refund(p.psp_refund_key, p),
+            probe=lambda s, p: s.psp.find_refund(p.psp_refund_key),
+            record=record_return_refund, leads_to=(FINISHED,),
+        ),
+    },
+    load=_load,
+    from_row=lambda row: Payment(**row),
+    log_fields=lambda payment: {"payment_id": str(payment.id)},
+)
+
+
+# --- What the rail's notification and reconciliation call -----------------------------------------------
+
+
+async def receive_notification(
+    services: Services, line: ReturnLine, *, message_id: str, body: Mapping[str, Any]
+) -> Recorded:
+    """A verified notification of a return, recorded through the inbox; 409 return-too-early if it is.
+
+    The caller answers the rail only after this commits, then runs
+    `follow_up` once the answer is sent, so the rail never waits on the PSP.
+    """
+    settings = services.settings
+    try:
+        recorded = await atomic(
+            services.engine, record_return, line, source="notification", message_id=message_id,
+            body=dict(body), lease_seconds=settings.lease_seconds,
+        )
+    except ReturnTooEarly as exc:
+        raise ProblemError(
+            RETURN_TOO_EARLY, str(exc), headers={"Retry-After": str(settings.retry_after_seconds)}
+        ) from None
+    if recorded.operation is not None:
+        # Recorded, not yet acknowledged: the gap the rail's redelivery covers.
+        reached(settings.payments_crash_at, f"after-commit-{EXT4_SENT}")
+    return recorded
+
+
+async def follow_up(services: Services, recorded: Recorded) -> None:
+    """After the rail is answered: drive the refund this return started, or resume a stranded one.
+
+    A redelivery of an applied return is a retry like any other: if the
+    refund's owner died, this finishes it (a live owner keeps it). Failures
+    are logged; the lease runs out and the recovery worker finishes it.
+    """
+    try:
+        if recorded.operation is not None:
+            await compensate(services, recorded.operation)
+        elif recorded.compensation is not None:
+            await resume(services, *recorded.compensation)
+    except Exception:
+        log.exception("the refund of a returned payout was interrupted; the recovery worker will finish it")
+
+
+async def compensate(services: Services, op: Operation[Payment]) -> Finished | Pending | None:
     """Drive the compensation this caller owns; None if it was taken over (its new owner finishes it)."""
     try:
-        return await drive(services, op)
+        return await engine.drive(services, op)
     except LeaseLost:
         return None
 
 
 async def resume(services: Services, client_id: int, key: str) -> Finished | Pending | None:
     """Take over a compensation whose owner is gone and drive it, as a retry would; None if it is not ours to."""
-    op = await atomic(services.engine, phases.take_over, client_id, key, services.settings.lease_seconds)
+    op = await engine.take_over(services, {COMPENSATION_ENDPOINT: RETURN_REFUND}, client_id, key)
     if op is None:
         return None  # finished, or someone holds a live lease
     return await compensate(services, op)

@@ -1,4 +1,4 @@
-"""SQL on the `payment` table outside the hot path (which is in app/payments/sql.py).
+"""SQL on the `payment` table outside the hot path (whose statements are in app/payments/phases.py).
 
 Lookups for the API and reconciliation, and the status changes of the rarer
 phases (parking, reopening for reconciliation).

@@ -1,7 +1,7 @@
 """The PSP and rail clients: External1, External2 and the compensating refund.
 
 They run between phases, with no transaction and no pooled database connection
-held (the runner calls them outside `app.db.transaction`). Every POST carries
+held (the engine calls them outside `app.db.transaction`). Every POST carries
 a derived idempotency key, so sending it again after a crash, a timeout or a
 429 is a replay at the external system, never a second charge or transfer.
 
@@ -44,7 +44,7 @@ A = TypeVar("A", bound=Answer)
 class Payment(Protocol):
     """What the clients read of a payment: any object with these fields will do.
 
-    The runner passes its own payment rows; this layer does not import them,
+    The engine passes its own payment rows; this layer does not import them,
     so dependencies point one way (payments -> rails, never back).
     """
 

@@ -25,7 +25,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 PAGE_SIZE = 50
-# The endpoint a client's payment is claimed under (app/payments/phases.py::ENDPOINT,
+# The endpoint a client's payment is claimed under (app/payments/payment.py::PAYMENT,
 # not imported: the read model sits beside the payments package, not above it).
 PAYMENT_ENDPOINT = "POST /v1/payments"
 STATES = ("started", "finished")

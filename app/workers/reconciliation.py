@@ -54,12 +54,15 @@ from app.db.errors import database_unavailable, describe, loggable
 from app.db.transaction import atomic, read
 from app.idempotency.store import LeaseLost
 from app.observability import logs, metrics
-from app.payments import crash_points, phases, returns
+from app.machine import engine
+from app.machine.crash import reached
+from app.machine.declare import FINISHED, Operation
+from app.machine.engine import drive, report_finished
+from app.payments import returns
 from app.payments import store as payments
 from app.payments.models import Payment
-from app.payments.phases import Operation
-from app.payments.recovery_points import EXT2_SENT, EXT4_SENT, FINISHED
-from app.payments.runner import drive, report_finished
+from app.payments.payment import PAYMENT
+from app.payments.recovery_points import EXT2_SENT, EXT4_SENT
 from app.rails.answers import ReturnLine, Transfer
 from app.rails.outcomes import Unknown
 from app.services import Services
@@ -195,7 +198,7 @@ async def _settle_one(
     log.info("settled from the rail's statement: %s", settled)
     if op.recovery_point == FINISHED:
         report_finished(op)
-    crash_points.reached(settings.payments_crash_at, "reconcile-after-settlement")
+    reached(settings.payments_crash_at, "reconcile-after-settlement")
     if not entries:
         # The refund is an ordinary EXT3 step now; if it cannot finish
         # here, the recovery worker will, exactly once, by K3.
@@ -216,7 +219,7 @@ async def _return_line(services: Services, run: RunLease, line: ReturnLine) -> s
         return "returns_not_yet_applicable"
     if recorded.operation is None:
         return {"duplicate": "returns_already_notified"}.get(recorded.outcome, "return_breaks")
-    crash_points.reached(settings.payments_crash_at, f"after-commit-{EXT4_SENT}")
+    reached(settings.payments_crash_at, f"after-commit-{EXT4_SENT}")
     await returns.compensate(services, recorded.operation)
     return "returns_applied_from_statement"
 
@@ -281,7 +284,7 @@ async def _settle(
     LeaseLost at `ticks.renew` and changes nothing.
     """
     await ticks.renew(conn, run, run_lease_seconds)
-    return await phases.settle_parked(conn, client_id, key, outcome, lease_seconds=lease_seconds)
+    return await engine.settle_parked(conn, PAYMENT, client_id, key, outcome, lease_seconds=lease_seconds)
 
 
 async def _record_breaks(conn: AsyncConnection, run: RunLease, breaks: list[Break], lease_seconds: float) -> list[Break]:

@@ -3,7 +3,7 @@
 It does on a schedule exactly what a client retry does: it sweeps the key table for started
 operations with no live lease (their owner died, or released them after an
 unknown outcome), takes each over with the same conditional UPDATE a retry
-uses, and resumes it through the same runner. Whichever gets there first, the
+uses, and resumes it through the same engine. Whichever gets there first, the
 outcome is identical; the other finds the row finished, or owned, and leaves it.
 
 A sweep that fails (the database is restarting, a connection was cut) is
@@ -34,7 +34,8 @@ from app.db.transaction import read
 from app.idempotency import store as keys
 from app.idempotency.store import LeaseLost
 from app.observability import logs, metrics
-from app.payments.runner import Finished, drive, heal, take_over
+from app.machine.engine import Finished, drive, heal, take_over
+from app.payments.machines import BY_ENDPOINT
 from app.services import Services
 from app.workers import outage_backoff, pause
 
@@ -59,7 +60,7 @@ class SweepCounts:
 async def recover(services: Services, client_id: int, key: str) -> str:
     """Take over one stranded operation and drive it; what became of it."""
     logs.bind(client_id=client_id, key_hash=logs.key_hash(key))
-    op = await take_over(services, client_id, key)
+    op = await take_over(services, BY_ENDPOINT, client_id, key)
     if op is None:
         return "skipped"  # a retry or another worker got there first
     try:
@@ -102,7 +103,7 @@ async def recheck_parked(services: Services) -> int:
 
     Each is claimed for this round by one statement (so several workers do
     not all ask), probed, and taken back only if the probe answered
-    (`runner.heal`). Most rounds in an outage learn nothing and write nothing
+    (`engine.heal`). Most rounds in an outage learn nothing and write nothing
     but the time of the next round.
     """
     settings = services.settings
@@ -112,7 +113,7 @@ async def recheck_parked(services: Services) -> int:
     async def one(client_id: int, key: str) -> bool:
         async with gate:
             try:
-                return await heal(services, client_id, key) is not None
+                return await heal(services, BY_ENDPOINT, client_id, key) is not None
             except LeaseLost:
                 return False
             except Exception as exc:
@@ -132,8 +133,8 @@ async def recovery_loop(services: Services, stop: asyncio.Event) -> None:
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({sweep, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if not sweep.done():
-            # SIGTERM mid-sweep: cancelling makes the runner give back
-            # every lease it holds (see runner.drive) before we exit.
+            # SIGTERM mid-sweep: cancelling makes the engine give back
+            # every lease it holds (see engine.drive) before we exit.
             sweep.cancel()
             await asyncio.gather(sweep, return_exceptions=True)
             return

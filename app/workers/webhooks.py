@@ -35,7 +35,7 @@ from app.db.errors import database_unavailable, describe, loggable
 from app.db.transaction import one_statement
 from app.outbox import delivery
 from app.outbox.delivery import Claimed, LeaseLost
-from app.payments import crash_points
+from app.machine.crash import reached
 from app.services import Services
 from app.workers import outage_backoff, pause
 
@@ -103,7 +103,7 @@ async def deliver(services: Services, http: aiohttp.ClientSession, recorder: Rec
         answer = None  # the endpoint was removed after the event was written
     else:
         answer = await delivery.post(http, claimed, settings.webhook_timeout_seconds)
-        crash_points.reached(settings.payments_crash_at, "webhook-after-delivery")
+        reached(settings.payments_crash_at, "webhook-after-delivery")
     decision = delivery.decide(
         answer, claimed.due_attempt, max_attempts=settings.webhook_max_attempts,
         base=settings.webhook_backoff_base_seconds, cap=settings.webhook_backoff_cap_seconds,
@@ -166,7 +166,7 @@ async def dispatch_loop(services: Services, stop: asyncio.Event) -> None:
                     continue
                 failures = 0
                 if claimed:
-                    crash_points.reached(settings.payments_crash_at, "webhook-after-claim")
+                    reached(settings.payments_crash_at, "webhook-after-claim")
                 for item in claimed:
                     task = asyncio.create_task(_deliver_logged(services, http, recorder, item))
                     running.add(task)

@@ -57,7 +57,7 @@ import asyncpg
 
 from app.idempotency.keys import canonical_json, request_fingerprint
 from app.payments.models import Payment, PaymentRequest, PaymentView, fee_for
-from app.payments.phases import ENDPOINT
+from app.payments.payment import PAYMENT
 from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED, STEP_CHARGE, STEP_REFUND, STEP_TRANSFER
 from bench.load import payment_body
 
@@ -288,7 +288,7 @@ def load_params(clients: list[int], first: int, start: datetime, step_us: float,
         "failed": mix.failed, "declined": mix.declined,
         "amount": body["amount"], "currency": body["currency"], "fee": fee, "net": body["amount"] - fee,
         "card": body["card_token"], "beneficiary_name": body["beneficiary"]["name"],
-        "beneficiary_iban": body["beneficiary"]["iban"], "endpoint": ENDPOINT,
+        "beneficiary_iban": body["beneficiary"]["iban"], "endpoint": PAYMENT.endpoint,
         "head": head, "declined_head": declined_head, "tail": tail,
     }
 

@@ -30,7 +30,10 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from app.config import asyncpg_url
 from app.db.transaction import atomic, autocommit, one_statement
 from app.idempotency import partitions
+from app.machine import engine as machine_engine
+from app.machine.declare import Operation
 from app.payments import phases
+from app.payments.payment import PAYMENT
 from app.payments.models import PaymentRequest
 from app.payments.service import fingerprint
 from app.rails.answers import Charge
@@ -89,11 +92,11 @@ async def key_rows(db, client_id: int, key: str):
     )
 
 
-async def claim(engine, client, key: str, body: dict, lease_seconds: float = 30) -> phases.Operation | None:
+async def claim(engine, client, key: str, body: dict, lease_seconds: float = 30) -> Operation | None:
     """The claim a POST makes (handler1), as one statement."""
     request = PaymentRequest.model_validate(body)
     return await one_statement(
-        engine, phases.handler1, client_id=client.id, key=key, request_hash=fingerprint(request),
+        engine, phases.handler1, PAYMENT, client_id=client.id, key=key, request_hash=fingerprint(request),
         request=request, lease_seconds=lease_seconds,
     )
 
@@ -177,7 +180,7 @@ async def test_a_claim_held_open_across_midnight_makes_a_second_claim_of_its_key
         async with conn.begin():
             request = PaymentRequest.model_validate(first)
             op = await phases.handler1(
-                conn, client_id=acme.id, key="k-held", request_hash=fingerprint(request), request=request,
+                conn, PAYMENT, client_id=acme.id, key="k-held", request_hash=fingerprint(request), request=request,
                 lease_seconds=30,
             )
             assert op is not None
@@ -220,9 +223,9 @@ async def test_a_reap_drops_only_finished_keys_past_retention_and_every_live_key
     done = await http.post(stack.api + "/v1/payments", json=done_body, headers=headers(acme, "k-done"))
     assert done.status_code == 201
     parked = await claim(engine, acme, "k-parked", payment_body())
-    await atomic(engine, phases.park, parked, "rail: timed out", 3600)
+    await atomic(engine, machine_engine.park, parked, "rail: timed out", 3600)
     released = await claim(engine, acme, "k-released", payment_body())
-    await atomic(engine, phases.release, released, "psp: timed out", 0)
+    await atomic(engine, machine_engine.release, released, "psp: timed out", 0)
     held = await claim(engine, acme, "k-held", payment_body(), lease_seconds=600)  # its owner is at work
     [old] = {r["partition"] for r in await db.fetch("SELECT tableoid::regclass::text AS partition FROM idempotency_key")}
 
@@ -263,7 +266,7 @@ async def test_a_reap_drops_only_finished_keys_past_retention_and_every_live_key
         return (await key_row(db, acme.id, "k-released"))["state"] == "finished"
 
     await until(recovered, "the worker to finish the released payment from its new partition")
-    unparked = await atomic(engine, phases.unpark, acme.id, "k-parked", 30, event="settled by a person")
+    unparked = await atomic(engine, machine_engine.unpark, PAYMENT, acme.id, "k-parked", 30, event="settled by a person")
     assert unparked is not None and unparked.recovery_point == "EXT1_SENT"
 
     # Business records are never reaped: the payment of the reaped key is

@@ -112,7 +112,7 @@ async def test_no_log_line_holds_a_card_token_iban_name_or_key_and_each_names_it
     assert {str(r["payment_id"]) for r in rows.values()} <= {line.get("payment_id") for line in lines}
     assert {key_hash(k) for k in rows} <= {line.get("key_hash") for line in lines}
     # ... and the runner's lines, on every path, carry all of the payment's fields.
-    runner = [line for line in lines if line["logger"] == "app.payments.runner"]
+    runner = [line for line in lines if line["logger"] == "app.machine.engine"]
     messages = {line["message"] for line in runner}
     for expected in ("payment finished: succeeded", "payment finished: declined", "payment finished: failed",
                      "released", "taken over at EXT2_SENT", "parked as indeterminate", "re-probe"):

@@ -17,7 +17,11 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from app.config import asyncpg_url
 from app.db.transaction import atomic, one_statement
 from app.idempotency.store import Lease, LeaseLost
+from app.machine import engine as machine_engine
+from app.machine.declare import Operation
 from app.payments import phases
+from app.payments.machines import BY_ENDPOINT
+from app.payments.payment import PAYMENT
 from app.payments.models import PaymentRequest
 from app.problems import DUPLICATE_PAYMENT, ProblemError
 from app.rails.answers import Charge, Refund, Transfer
@@ -39,10 +43,10 @@ async def snapshot(db, key: str):
     )
 
 
-async def new_operation(engine, acme, key: str) -> phases.Operation:
+async def new_operation(engine, acme, key: str) -> Operation:
     request = PaymentRequest.model_validate(payment_body())
     op = await one_statement(
-        engine, phases.handler1, client_id=acme.id, key=key, request_hash=b"h", request=request, lease_seconds=30
+        engine, phases.handler1, PAYMENT, client_id=acme.id, key=key, request_hash=b"h", request=request, lease_seconds=30
     )
     assert op is not None and op.recovery_point == "EXT1_SENT"
     return op
@@ -76,10 +80,10 @@ async def test_the_owner_advances_and_its_posting_balances(engine, db, acme):
 
     op = await one_statement(engine, phases.record_charge, op, Charge(id="ch_1", status="succeeded"), 30)
 
-    assert op.recovery_point == "EXT2_SENT" and op.payment.psp_charge_id == "ch_1"
+    assert op.recovery_point == "EXT2_SENT" and op.subject.psp_charge_id == "ch_1"
     row = await db.fetchrow("SELECT recovery_point, lease_token FROM idempotency_key WHERE key = $1", key)
     assert row["recovery_point"] == "EXT2_SENT" and row["lease_token"] == op.lease.token
-    legs = await db.fetch("SELECT debit_minor, credit_minor FROM ledger_entry WHERE payment_id = $1", op.payment.id)
+    legs = await db.fetch("SELECT debit_minor, credit_minor FROM ledger_entry WHERE payment_id = $1", op.subject.id)
     assert len(legs) == 3 and sum(r["debit_minor"] for r in legs) == sum(r["credit_minor"] for r in legs)
 
 
@@ -88,7 +92,7 @@ async def test_handler1_for_a_taken_reference_leaves_no_key_row(engine, db, acme
     for key in (first := str(uuid.uuid4()), second := str(uuid.uuid4())):
         try:
             await one_statement(
-                engine, phases.handler1, client_id=acme.id, key=key, request_hash=b"h", request=request,
+                engine, phases.handler1, PAYMENT, client_id=acme.id, key=key, request_hash=b"h", request=request,
                 lease_seconds=30,
             )
         except ProblemError as refused:
@@ -105,9 +109,9 @@ async def test_a_live_lease_cannot_be_taken_over_and_an_expired_one_can(engine, 
     await new_operation(engine, acme, key)  # its owner holds a 30 s lease
     before = await snapshot(db, key)
 
-    assert await atomic(engine, phases.take_over, acme.id, key, 30) is None, "the owner is alive"
+    assert await atomic(engine, machine_engine.take_over_phase, BY_ENDPOINT, acme.id, key, 30) is None, "the owner is alive"
     assert await snapshot(db, key) == before
 
     await db.execute("UPDATE idempotency_key SET lease_expires_at = now() - interval '1 second' WHERE key = $1", key)
-    taken = await atomic(engine, phases.take_over, acme.id, key, 30)
+    taken = await atomic(engine, machine_engine.take_over_phase, BY_ENDPOINT, acme.id, key, 30)
     assert taken is not None and taken.attempt == 2 and taken.resumed

@@ -3,19 +3,19 @@
 The real-process tests (tests/integration, tests/crash) prove the protocol
 against PostgreSQL and the fake rails running as processes. These fakes let
 tests/unit/test_submit_decisions.py and test_runner_decisions.py check each
-*decision* of app/payments/service.py and app/payments/runner.py in
-milliseconds. They model only what those decisions read and write:
+*decision* of the response matrix (app/machine/matrix.py) and the engine
+(app/machine/engine.py), on the payment's machine, in milliseconds. They model only what those decisions read and write:
 
     FakeDB      one key row and one payment per (client, key), the lease
                 token that fences every phase after a claim, and a log of
                 every phase called. `install` puts its `atomic`,
                 `one_statement` and `read` in place of app.db.transaction's,
-                in the two modules that call them.
+                in the two modules that call them (matrix and engine).
     FakeSystem  a PSP or a rail whose calls answer from a script, in order,
                 and are recorded. A call nobody scripted fails the test.
 
-Nothing here checks SQL: tests/unit/test_phase_sql.py and the real-process
-tests do. Where the fake models a statement it follows that statement's WHERE
+Nothing here checks SQL: tests/unit/test_phase_statements.py and the
+real-process tests do. Where the fake models a statement it follows that statement's WHERE
 clause (app/idempotency/store.py), so a decision tested here is tested
 against the same rules the database applies.
 """
@@ -33,11 +33,12 @@ from app.config import Settings
 from app.idempotency import store as keys
 from app.idempotency.keys import derived_key, end_to_end_reference
 from app.idempotency.store import KeyRow, Lease, LeaseLost
-from app.payments import phases
-from app.payments import runner, service
+from app.machine import engine, matrix
+from app.machine.declare import Operation
+from app.payments import phases, service
 from app.payments import store as payments
 from app.payments.models import Payment, PaymentRequest, PaymentView, fee_for
-from app.payments.phases import Operation
+from app.payments.payment import PAYMENT
 from app.payments.recovery_points import (
     EXT1_SENT, EXT2_SENT, EXT3_SENT, FINISHED, STEP_CHARGE, STEP_REFUND, STEP_TRANSFER,
 )
@@ -61,7 +62,7 @@ REQUEST = PaymentRequest.model_validate(
 class UnexpectedCall(BaseException):
     """A call the test did not script or the fake does not model.
 
-    A BaseException, not an Exception: `runner.drive` turns any Exception
+    A BaseException, not an Exception: `engine.drive` turns any Exception
     from a step into an unknown outcome, which would hide the surprise.
     """
 
@@ -88,7 +89,7 @@ def settings(**overrides: Any) -> Settings:
 
 
 def services(psp: FakeSystem | None = None, rail: FakeSystem | None = None, **setting_overrides: Any) -> SimpleNamespace:
-    """What the service and the runner use of `app.services.Services`; no engine (FakeDB ignores it)."""
+    """What the matrix and the engine use of `app.services.Services`; no database engine (FakeDB ignores it)."""
     return SimpleNamespace(
         settings=settings(**setting_overrides), engine=None, lookups=None,
         psp=psp or FakeSystem("psp"), rail=rail or FakeSystem("rail"),
@@ -184,14 +185,15 @@ class FakeDB:
         # Something another actor does right after the named phase commits,
         # once (a reaper deleting the row handler1 did not get, say).
         self.after: dict[str, Callable[[], None]] = {}
-        # The phase functions the service and the runner pass to atomic,
+        # The phase functions the matrix and the engine pass to atomic,
         # one_statement and read, by identity; anything else is a surprise.
         self._phases = {
             phases.handler1: ("handler1", self._handler1),
-            phases.take_over: ("take_over", self._take_over),
-            phases.release: ("release", self._release),
-            phases.park: ("park", self._park),
-            phases.unpark: ("unpark", self._unpark),
+            engine.take_over_phase: ("take_over", self._take_over),
+            engine.release: ("release", self._release),
+            engine.park: ("park", self._park),
+            engine.unpark: ("unpark", self._unpark),
+            phases.load: ("load payment", self._load_payment),
             phases.record_charge: ("record_charge", self._record_charge),
             phases.record_transfer: ("record_transfer", self._record_transfer),
             phases.record_refund: ("record_refund", self._record_refund),
@@ -248,7 +250,7 @@ class FakeDB:
         self.payments[payment.id] = payment
         finished = recovery_point == FINISHED
         self.keys[(CLIENT, KEY)] = _Key(
-            endpoint=phases.ENDPOINT,
+            endpoint=PAYMENT.endpoint,
             request_hash=request_hash if request_hash is not None else service.fingerprint(REQUEST),
             state="finished" if finished else "started",
             recovery_point=recovery_point,
@@ -272,7 +274,7 @@ class FakeDB:
         k = self.keys[(CLIENT, KEY)]
         assert k.token is not None
         payment = self.payments[k.payment_id]
-        return Operation(Lease(CLIENT, KEY, k.token), recovery_point, payment, resumed=resumed, attempt=attempt)
+        return Operation(PAYMENT, Lease(CLIENT, KEY, k.token), recovery_point, payment, resumed=resumed, attempt=attempt)
 
     def steal(self) -> None:
         """Another attempt takes the lease over (ours expired while we waited on the network)."""
@@ -301,8 +303,11 @@ class FakeDB:
         payment = self.payments.get(payment_id)
         return payment if payment is not None and payment.client_id == client_id else None
 
+    def _load_payment(self, row: KeyRow) -> Payment:
+        return self.payments[row.payment_id]
+
     def _handler1(
-        self, *, client_id: int, key: str, request_hash: bytes, request: PaymentRequest, lease_seconds: float
+        self, machine: Any, *, client_id: int, key: str, request_hash: bytes, request: PaymentRequest, lease_seconds: float
     ) -> Operation | None:
         # INSERT ... ON CONFLICT DO NOTHING: an existing key, whoever wrote it, means no row.
         if (client_id, key) in self.keys:
@@ -311,12 +316,12 @@ class FakeDB:
         self.payments[payment.id] = payment
         token = uuid.uuid4()
         self.keys[(client_id, key)] = _Key(
-            endpoint=phases.ENDPOINT, request_hash=request_hash, state="started", recovery_point=EXT1_SENT,
+            endpoint=machine.endpoint, request_hash=request_hash, state="started", recovery_point=EXT1_SENT,
             payment_id=payment.id, token=token, lease_live=True, attempts=1,
         )
-        return Operation(Lease(client_id, key, token), EXT1_SENT, payment, resumed=False)
+        return Operation(machine, Lease(client_id, key, token), EXT1_SENT, payment, resumed=False)
 
-    def _take_over(self, client_id: int, key: str, lease_seconds: float) -> Operation | None:
+    def _take_over(self, machines: Any, client_id: int, key: str, lease_seconds: float) -> Operation | None:
         # Only a started, unparked row whose lease has run out; not_sent is read and reset.
         k = self.keys.get((client_id, key))
         if k is None or k.state != "started" or k.parked or k.lease_live:
@@ -324,7 +329,7 @@ class FakeDB:
         not_sent, k.not_sent = k.not_sent, False
         k.token, k.lease_live, k.attempts = uuid.uuid4(), True, k.attempts + 1
         return Operation(
-            Lease(client_id, key, k.token), k.recovery_point, self.payments[k.payment_id],
+            machines[k.endpoint], Lease(client_id, key, k.token), k.recovery_point, self.payments[k.payment_id],
             resumed=not not_sent, attempt=k.attempts,
         )
 
@@ -350,14 +355,14 @@ class FakeDB:
             return None
         return k.recovery_point, k.payment_id
 
-    def _unpark(self, client_id: int, key: str, lease_seconds: float, *, event: str) -> Operation | None:
+    def _unpark(self, machine: Any, client_id: int, key: str, lease_seconds: float, *, event: str) -> Operation | None:
         k = self.keys.get((client_id, key))
         if k is None or k.state != "started" or not k.parked:
             return None
         k.parked, k.not_sent = False, False
         k.token, k.lease_live, k.attempts = uuid.uuid4(), True, k.attempts + 1
         payment = self._set_payment(k, status="processing")
-        return Operation(Lease(client_id, key, k.token), k.recovery_point, payment, resumed=True, attempt=k.attempts)
+        return Operation(machine, Lease(client_id, key, k.token), k.recovery_point, payment, resumed=True, attempt=k.attempts)
 
     def _record_charge(self, op: Operation, charge: Any, lease_seconds: float) -> Operation:
         k = self._fence(op.lease)
@@ -383,13 +388,13 @@ class FakeDB:
 
     def _advance(self, k: _Key, op: Operation, recovery_point: str, **payment: Any) -> Operation:
         k.recovery_point, k.last_error = recovery_point, None
-        return replace(op, recovery_point=recovery_point, payment=self._set_payment(k, **payment), resumed=False)
+        return replace(op, recovery_point=recovery_point, subject=self._set_payment(k, **payment), resumed=False)
 
     def _finish(self, k: _Key, op: Operation, **payment: Any) -> Operation:
         final = self._set_payment(k, **payment)
         k.state, k.recovery_point, k.token, k.lease_live, k.last_error = "finished", FINISHED, None, False, None
         k.response_code, k.response_body = phases.FINAL_STATUS_CODE, PaymentView.of(final).body()
-        return replace(op, recovery_point=FINISHED, payment=final, response=(k.response_code, k.response_body))
+        return replace(op, recovery_point=FINISHED, subject=final, response=(k.response_code, k.response_body))
 
     def _set_payment(self, k: _Key, **values: Any) -> Payment:
         payment = replace(self.payments[k.payment_id], **values)
@@ -398,11 +403,11 @@ class FakeDB:
 
 
 def install(monkeypatch: Any) -> FakeDB:
-    """A FakeDB in place of the transaction functions, where the service and the runner look them up."""
+    """A FakeDB in place of the transaction functions, where the matrix and the engine look them up."""
     db = FakeDB()
-    for module in (service, runner):
+    for module in (matrix, engine):
         for name in ("atomic", "one_statement", "read"):
-            if hasattr(module, name):  # the service takes over through the runner: no `atomic` of its own
+            if hasattr(module, name):  # the matrix takes over through the engine: no `atomic` of its own
                 monkeypatch.setattr(module, name, getattr(db, name))
     return db
 

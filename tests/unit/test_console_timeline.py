@@ -78,7 +78,7 @@ def test_the_last_call_of_an_unfinished_operation_is_in_flight_or_waiting():
 
 
 def test_the_read_model_names_the_payment_endpoint_the_service_claims_under():
-    from app.payments.phases import ENDPOINT
+    from app.payments.payment import PAYMENT as MACHINE
     from app.readmodel.queries import PAYMENT_ENDPOINT
 
-    assert PAYMENT_ENDPOINT == ENDPOINT
+    assert PAYMENT_ENDPOINT == MACHINE.endpoint

@@ -1,6 +1,7 @@
-"""The runner's decisions, in milliseconds: when to probe, when to send, when to release or park, how long to wait.
+"""The engine's decisions, in milliseconds: when to probe, when to send, when to release or park, how long to wait.
 
-app/payments/runner.py moves every payment forward. The real-process tests
+app/machine/engine.py moves every operation forward; these drive the
+payment's machine (app/payments/payment.py). The real-process tests
 (tests/crash, tests/integration) prove it end to end against PostgreSQL and
 the fake rails, killing processes between phases; these prove each decision
 on its own, with the database and the rails replaced by the in-memory fakes
@@ -13,7 +14,7 @@ of tests/unit/fakes.py:
     drive        exceptions count as unknown, LeaseLost and cancellation do not
     backoff_seconds, heal
 
-Each test names, in its docstring, the one-line bug in runner.py it catches.
+Each test names, in its docstring, the one-line bug in engine.py it catches.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from types import SimpleNamespace
 import pytest
 
 from app.idempotency.store import LeaseLost
-from app.payments import runner
+from app.machine import engine
+from app.payments.machines import BY_ENDPOINT
+from app.payments.payment import PAYMENT
 from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT
-from app.payments.runner import Finished, Pending
+from app.machine.engine import Finished, Pending
 from app.rails.answers import Charge, Transfer
-from app.rails.outcomes import Applied, NotApplied, NotFound, Unknown
+from app.rails.outcomes import Applied, NotApplied, NotFound, Settling, Unknown
 from tests.unit import fakes
 from tests.unit.fakes import CLIENT, KEY, LEGACY_IBAN, FakeSystem
 
@@ -36,7 +39,8 @@ SUCCEEDED = Applied(Charge(id="ch_1", status="succeeded"))
 ACCEPTED = Applied(Transfer(id="tr_1", status="accepted"))
 TIMED_OUT = Unknown("psp: timed out")
 REFUSED = NotApplied("psp: connection refused")
-CHARGE = runner._STEPS[EXT1_SENT]
+SETTLING = Settling("psp: pending")
+CHARGE = PAYMENT.calls[EXT1_SENT]
 
 
 @pytest.fixture
@@ -52,7 +56,7 @@ async def test_a_fresh_owner_sends_without_probing(db):
     op = db.owned(resumed=False)
     psp = FakeSystem("psp", charge=[SUCCEEDED])
 
-    assert await runner._call(fakes.services(psp), CHARGE, op) == SUCCEEDED
+    assert await engine._call(fakes.services(psp), CHARGE, op) == SUCCEEDED
     assert psp.names == ["charge"]
 
 
@@ -62,7 +66,7 @@ async def test_a_resumed_owner_whose_probe_answers_applied_or_unknown_does_not_s
     op = db.owned(resumed=True)
     psp = FakeSystem("psp", find_charge=[found])
 
-    assert await runner._call(fakes.services(psp), CHARGE, op) == found
+    assert await engine._call(fakes.services(psp), CHARGE, op) == found
     assert psp.names == ["find_charge"]
 
 
@@ -71,9 +75,9 @@ async def test_a_resumed_owner_whose_probe_finds_nothing_sends_the_same_payment_
     op = db.owned(resumed=True)
     psp = FakeSystem("psp", find_charge=[NotFound()], charge=[SUCCEEDED])
 
-    assert await runner._call(fakes.services(psp), CHARGE, op) == SUCCEEDED
+    assert await engine._call(fakes.services(psp), CHARGE, op) == SUCCEEDED
     assert psp.names == ["find_charge", "charge"]
-    assert psp.calls[1].args == (op.payment.psp_charge_key, op.payment)
+    assert psp.calls[1].args == (op.subject.psp_charge_key, op.subject)
 
 
 async def test_an_unknown_send_gets_exactly_one_inline_probe_whose_applied_answer_is_used(db):
@@ -81,7 +85,7 @@ async def test_an_unknown_send_gets_exactly_one_inline_probe_whose_applied_answe
     op = db.owned(resumed=False)
     psp = FakeSystem("psp", charge=[TIMED_OUT], find_charge=[SUCCEEDED])
 
-    assert await runner._call(fakes.services(psp), CHARGE, op) == SUCCEEDED
+    assert await engine._call(fakes.services(psp), CHARGE, op) == SUCCEEDED
     assert psp.names == ["charge", "find_charge"]
 
 
@@ -91,7 +95,7 @@ async def test_an_unknown_send_whose_probe_learns_nothing_stays_unknown(db, foun
     op = db.owned(resumed=False)
     psp = FakeSystem("psp", charge=[TIMED_OUT], find_charge=[found])
 
-    assert await runner._call(fakes.services(psp), CHARGE, op) == TIMED_OUT
+    assert await engine._call(fakes.services(psp), CHARGE, op) == TIMED_OUT
     assert psp.names == ["charge", "find_charge"]  # one probe, never a second send
 
 
@@ -100,7 +104,7 @@ async def test_a_send_not_applied_is_returned_without_a_probe(db):
     op = db.owned(resumed=False)
     psp = FakeSystem("psp", charge=[REFUSED])
 
-    assert await runner._call(fakes.services(psp), CHARGE, op) == REFUSED
+    assert await engine._call(fakes.services(psp), CHARGE, op) == REFUSED
     assert psp.names == ["charge"]
 
 
@@ -121,12 +125,12 @@ async def test_each_step_sends_with_its_derived_key_and_probes_by_its_own_identi
     fake.scripts[probe].append(NotFound())  # the inline probe after the unknown send
     services = fakes.services(**{system: fake})
 
-    await runner._call(services, runner._STEPS[point], op)
+    await engine._call(services, PAYMENT.calls[point], op)
 
     assert fake.names == [probe, send, probe]
-    assert fake.calls[0].args == (getattr(op.payment, probe_key),)
-    assert fake.calls[1].args == (getattr(op.payment, send_key), op.payment)
-    assert getattr(op.payment, send_key) is not None
+    assert fake.calls[0].args == (getattr(op.subject, probe_key),)
+    assert fake.calls[1].args == (getattr(op.subject, send_key), op.subject)
+    assert getattr(op.subject, send_key) is not None
 
 
 # -- _call_once: a payout to a legacy rail, which cannot be probed or deduplicate --
@@ -137,7 +141,7 @@ async def test_a_resumed_owner_of_a_legacy_payout_answers_unknown_without_sendin
     op = db.owned(EXT2_SENT, resumed=True, iban=LEGACY_IBAN)
     rail = FakeSystem("rail")
 
-    outcome = await runner._call_once(fakes.services(rail=rail), runner._STEPS[EXT2_SENT], op)
+    outcome = await engine._call_once(fakes.services(rail=rail), PAYMENT.calls[EXT2_SENT], op)
 
     assert isinstance(outcome, Unknown)
     assert rail.calls == []
@@ -148,10 +152,57 @@ async def test_a_fresh_owner_of_a_legacy_payout_sends_once_and_never_probes(db):
     op = db.owned(EXT2_SENT, resumed=False, iban=LEGACY_IBAN)
     rail = FakeSystem("rail", transfer=[Unknown("rail: timed out")])
 
-    outcome = await runner._call_once(fakes.services(rail=rail), runner._STEPS[EXT2_SENT], op)
+    outcome = await engine._call_once(fakes.services(rail=rail), PAYMENT.calls[EXT2_SENT], op)
 
     assert outcome == Unknown("rail: timed out")
     assert rail.names == ["transfer"]
+
+
+# -- Settling: a provider that holds the request and decides it later -------
+
+
+async def test_a_resumed_owner_whose_probe_says_settling_waits_and_never_sends_again(db):
+    """Bug caught: Settling missing from `isinstance(found, (Applied, Unknown, Settling))` in _call: a second send."""
+    op = db.owned(resumed=True)
+    psp = FakeSystem("psp", find_charge=[SETTLING])
+
+    assert await engine._call(fakes.services(psp), CHARGE, op) == SETTLING
+    assert psp.names == ["find_charge"]
+
+
+async def test_a_send_answered_settling_is_released_with_backoff_and_polled_later(db):
+    """Bug caught: Settling treated as applied or final, finishing (or parking) a call the provider has not decided."""
+    op = db.owned(resumed=False, attempt=1)
+    psp = FakeSystem("psp", charge=[SETTLING])
+
+    result = await engine.drive(fakes.services(psp), op)
+
+    assert result == Pending(op.subject, "psp: pending")
+    assert psp.names == ["charge"]  # no inline probe: the provider just said it has the request
+    assert db.names == ["release"]
+    assert db.calls[0].kwargs == {"not_sent": False}  # the next owner probes, never sends blind
+    assert not db.row().parked
+
+
+async def test_a_call_still_settling_at_the_last_attempt_is_parked_for_reconciliation(db):
+    """Bug caught: polling with no bound: a provider that never settles would be asked forever."""
+    op = db.owned(resumed=True, attempt=3)  # max_attempts is 3
+    psp = FakeSystem("psp", find_charge=[SETTLING])
+
+    result = await engine.drive(fakes.services(psp), op)
+
+    assert isinstance(result, Pending) and result.reason == "psp: pending"
+    assert db.names == ["park"] and db.row().parked
+
+
+async def test_heal_whose_probe_is_still_settling_writes_nothing_more(db):
+    """Bug caught: Settling counted as an answer by heal, unparking and driving a call nobody has decided."""
+    db.seed(EXT1_SENT, parked=True, attempts=3)
+    psp = FakeSystem("psp", find_charge=[SETTLING])
+
+    assert await engine.heal(fakes.services(psp), BY_ENDPOINT, CLIENT, KEY) is None
+    assert db.names == ["keys.claim_recheck", "keys.load", "load payment"]
+    assert db.row().parked and db.row().attempts == 3
 
 
 # -- _give_up: release for later, or park ----------------------------------
@@ -161,9 +212,9 @@ async def test_an_unknown_outcome_below_max_attempts_is_released_with_backoff(db
     """Bug caught: `not_sent = isinstance(outcome, Unknown)`, letting the next owner send without probing."""
     op = db.owned(resumed=False, attempt=2)  # max_attempts is 3
 
-    pending = await runner._give_up(fakes.services(), op, TIMED_OUT, final=False)
+    pending = await engine._give_up(fakes.services(), op, TIMED_OUT, final=False)
 
-    assert pending == Pending(op.payment, "psp: timed out")
+    assert pending == Pending(op.subject, "psp: timed out")
     assert db.names == ["release"]
     (release,) = db.calls
     _, reason, retry_in = release.args
@@ -177,7 +228,7 @@ async def test_a_not_applied_outcome_is_released_saying_not_sent(db):
     """Bug caught: not_sent not passed to release, so the next owner probes a call that was never made (or, legacy, never sends)."""
     op = db.owned(resumed=False, attempt=1)
 
-    await runner._give_up(fakes.services(), op, REFUSED, final=False)
+    await engine._give_up(fakes.services(), op, REFUSED, final=False)
 
     assert db.names == ["release"]
     assert db.calls[0].kwargs == {"not_sent": True}
@@ -188,12 +239,12 @@ async def test_an_unknown_outcome_at_max_attempts_is_parked(db):
     """Bug caught: `op.attempt > settings.max_attempts`, retrying once more than allowed."""
     op = db.owned(resumed=True, attempt=3)  # max_attempts is 3
 
-    pending = await runner._give_up(fakes.services(), op, TIMED_OUT, final=False)
+    pending = await engine._give_up(fakes.services(), op, TIMED_OUT, final=False)
 
     assert db.names == ["park"]
     assert db.calls[0].args[1:] == ("psp: timed out", 300.0)  # re-probed after parked_recheck_seconds
     assert db.calls[0].kwargs == {"not_sent": False}
-    assert pending.payment.status == "indeterminate" and pending.reason == "psp: timed out"
+    assert pending.subject.status == "indeterminate" and pending.reason == "psp: timed out"
     assert db.row().parked
 
 
@@ -201,17 +252,17 @@ async def test_a_final_outcome_parks_at_once(db):
     """Bug caught: `final` ignored, so a legacy payout whose outcome is unknown is retried (and could be sent twice)."""
     op = db.owned(EXT2_SENT, resumed=False, attempt=1, iban=LEGACY_IBAN)
 
-    pending = await runner._give_up(fakes.services(), op, Unknown("rail: timed out"), final=True)
+    pending = await engine._give_up(fakes.services(), op, Unknown("rail: timed out"), final=True)
 
     assert db.names == ["park"]
-    assert pending.payment.status == "indeterminate"
+    assert pending.subject.status == "indeterminate"
 
 
 async def test_a_not_applied_outcome_on_the_last_attempt_is_parked_saying_not_sent(db):
     """Bug caught: not_sent dropped from the park, so reconciliation or a re-probe treats a payout never sent as maybe sent."""
     op = db.owned(resumed=True, attempt=3)
 
-    await runner._give_up(fakes.services(), op, REFUSED, final=False)
+    await engine._give_up(fakes.services(), op, REFUSED, final=False)
 
     assert db.names == ["park"]
     assert db.calls[0].kwargs == {"not_sent": True}
@@ -225,9 +276,9 @@ async def test_an_exception_in_a_step_counts_as_unknown_released_with_backoff(db
     op = db.owned(resumed=False, attempt=1)
     psp = FakeSystem("psp", charge=[RuntimeError("boom: secret detail")])
 
-    result = await runner.drive(fakes.services(psp), op)
+    result = await engine.drive(fakes.services(psp), op)
 
-    assert result == Pending(op.payment, "interrupted by RuntimeError")  # a classified phrase, never the text
+    assert result == Pending(op.subject, "interrupted by RuntimeError")  # a classified phrase, never the text
     assert db.names == ["release"]
     _, reason, retry_in = db.calls[0].args
     assert reason == "interrupted by RuntimeError"
@@ -247,7 +298,7 @@ async def test_a_lost_lease_propagates_and_nothing_is_released(db):
     psp = FakeSystem("psp", charge=[charged_while_a_retry_took_over])
 
     with pytest.raises(LeaseLost):
-        await runner.drive(fakes.services(psp), op)
+        await engine.drive(fakes.services(psp), op)
     assert db.names == ["record_charge"]
 
 
@@ -257,7 +308,7 @@ async def test_a_cancelled_drive_releases_at_once_then_re_raises(db):
     psp = FakeSystem("psp", charge=[asyncio.CancelledError()])
 
     with pytest.raises(asyncio.CancelledError):
-        await runner.drive(fakes.services(psp), op)
+        await engine.drive(fakes.services(psp), op)
 
     assert db.names == ["release"]
     assert db.calls[0].args[1:] == ("interrupted: stopping", 0.0)  # due again at once
@@ -270,9 +321,9 @@ async def test_an_unknown_outcome_on_a_legacy_step_parks_at_once(db):
     op = db.owned(EXT2_SENT, resumed=False, attempt=1, iban=LEGACY_IBAN)
     rail = FakeSystem("rail", transfer=[Unknown("rail: timed out")])
 
-    result = await runner.drive(fakes.services(rail=rail), op)
+    result = await engine.drive(fakes.services(rail=rail), op)
 
-    assert isinstance(result, Pending) and result.payment.status == "indeterminate"
+    assert isinstance(result, Pending) and result.subject.status == "indeterminate"
     assert db.names == ["park"]
     assert rail.names == ["transfer"]
 
@@ -282,9 +333,9 @@ async def test_a_not_applied_outcome_on_a_legacy_step_is_released_not_parked(db)
     op = db.owned(EXT2_SENT, resumed=False, attempt=1, iban=LEGACY_IBAN)
     rail = FakeSystem("rail", transfer=[NotApplied("rail: connection refused")])
 
-    result = await runner.drive(fakes.services(rail=rail), op)
+    result = await engine.drive(fakes.services(rail=rail), op)
 
-    assert result == Pending(op.payment, "rail: connection refused")
+    assert result == Pending(op.subject, "rail: connection refused")
     assert db.names == ["release"]
     assert db.calls[0].kwargs == {"not_sent": True}
 
@@ -297,24 +348,24 @@ def test_backoff_stays_between_half_the_ceiling_and_the_ceiling(monkeypatch, att
     """Bug caught: `2 ** attempt` (twice too long) or `random.uniform(0, ceiling)` (jitter down to zero)."""
     ceiling = min(300.0, 1.0 * 2 ** (attempt - 1))
     # The extremes of the jitter, exactly, then real draws.
-    monkeypatch.setattr(runner, "random", SimpleNamespace(uniform=lambda low, high: low))
-    assert runner.backoff_seconds(attempt, 1.0, 300.0) == ceiling / 2
-    monkeypatch.setattr(runner, "random", SimpleNamespace(uniform=lambda low, high: high))
-    assert runner.backoff_seconds(attempt, 1.0, 300.0) == ceiling
+    monkeypatch.setattr(engine, "random", SimpleNamespace(uniform=lambda low, high: low))
+    assert engine.backoff_seconds(attempt, 1.0, 300.0) == ceiling / 2
+    monkeypatch.setattr(engine, "random", SimpleNamespace(uniform=lambda low, high: high))
+    assert engine.backoff_seconds(attempt, 1.0, 300.0) == ceiling
     monkeypatch.undo()
     for _ in range(20):
-        assert ceiling / 2 <= runner.backoff_seconds(attempt, 1.0, 300.0) <= ceiling
+        assert ceiling / 2 <= engine.backoff_seconds(attempt, 1.0, 300.0) <= ceiling
 
 
 def test_backoff_never_exceeds_the_cap():
     """Bug caught: the `min(cap, ...)` dropped, so attempt 30 waits for years."""
     for attempt in (10, 11, 20, 50):  # 2^9 = 512 > 300 from attempt 10 on
-        assert 150.0 <= runner.backoff_seconds(attempt, 1.0, 300.0) <= 300.0
+        assert 150.0 <= engine.backoff_seconds(attempt, 1.0, 300.0) <= 300.0
 
 
 def test_backoff_jitter_actually_varies():
     """Bug caught: a constant instead of `random.uniform`, so operations failed in one outage retry in the same instant."""
-    assert len({runner.backoff_seconds(5, 1.0, 300.0) for _ in range(50)}) > 1
+    assert len({engine.backoff_seconds(5, 1.0, 300.0) for _ in range(50)}) > 1
 
 
 # -- heal: the worker's re-probe of a parked operation ---------------------
@@ -325,7 +376,7 @@ async def test_heal_probes_nothing_when_the_recheck_is_not_ours(db):
     db.seed(EXT1_SENT, parked=False)  # not parked (or not due): claim_recheck returns None
     psp = FakeSystem("psp")
 
-    assert await runner.heal(fakes.services(psp), CLIENT, KEY) is None
+    assert await engine.heal(fakes.services(psp), BY_ENDPOINT, CLIENT, KEY) is None
     assert db.names == ["keys.claim_recheck"]
     assert psp.calls == []
 
@@ -335,8 +386,8 @@ async def test_heal_leaves_a_legacy_payout_to_reconciliation_unprobed(db):
     db.seed(EXT2_SENT, parked=True, iban=LEGACY_IBAN)
     rail = FakeSystem("rail")
 
-    assert await runner.heal(fakes.services(rail=rail), CLIENT, KEY) is None
-    assert db.names == ["keys.claim_recheck", "payments.get"]
+    assert await engine.heal(fakes.services(rail=rail), BY_ENDPOINT, CLIENT, KEY) is None
+    assert db.names == ["keys.claim_recheck", "keys.load", "load payment"]
     assert rail.calls == []
     assert db.row().parked
 
@@ -346,8 +397,8 @@ async def test_heal_whose_probe_is_still_unknown_writes_nothing_more(db):
     db.seed(EXT1_SENT, parked=True, attempts=3)
     psp = FakeSystem("psp", find_charge=[Unknown("psp: 503")])
 
-    assert await runner.heal(fakes.services(psp), CLIENT, KEY) is None
-    assert db.names == ["keys.claim_recheck", "payments.get"]  # the claim, a read, and nothing written after
+    assert await engine.heal(fakes.services(psp), BY_ENDPOINT, CLIENT, KEY) is None
+    assert db.names == ["keys.claim_recheck", "keys.load", "load payment"]  # the claim, a read, and nothing written after
     assert psp.names == ["find_charge"]
     row = db.row()
     assert row.parked and row.attempts == 3
@@ -369,10 +420,10 @@ async def test_heal_whose_probe_answers_unparks_then_drives(db, found, psp_scrip
     psp = FakeSystem("psp", **psp_script)
     rail = FakeSystem("rail", transfer=[ACCEPTED])
 
-    result = await runner.heal(fakes.services(psp, rail), CLIENT, KEY)
+    result = await engine.heal(fakes.services(psp, rail), BY_ENDPOINT, CLIENT, KEY)
 
     assert result == Finished(201, db.row().response_body)
-    assert db.names == ["keys.claim_recheck", "payments.get", "unpark", "record_charge", "record_transfer"]
+    assert db.names == ["keys.claim_recheck", "keys.load", "load payment", "unpark", "record_charge", "record_transfer"]
     assert psp.names == psp_calls
     assert db.payments[db.row().payment_id].status == "succeeded"
 
@@ -387,6 +438,6 @@ async def test_heal_that_loses_the_unpark_to_another_actor_drives_nothing(db):
 
     psp = FakeSystem("psp", find_charge=[answered_while_reconciliation_took_it_back])
 
-    assert await runner.heal(fakes.services(psp), CLIENT, KEY) is None
-    assert db.names == ["keys.claim_recheck", "payments.get", "unpark"]
+    assert await engine.heal(fakes.services(psp), BY_ENDPOINT, CLIENT, KEY) is None
+    assert db.names == ["keys.claim_recheck", "keys.load", "load payment", "unpark"]
     assert psp.names == ["find_charge"]

@@ -2,9 +2,9 @@
 
 The key table keeps every final response, to replay it byte for byte: it
 must never become a store of blobs, and a response must never be cut short
-(a truncated replay is a different answer). app/payments/phases.py caps a
-stored response at MAX_STORED_RESPONSE_BYTES and refuses a larger one as a
-bug; the database refuses it too (migration 0005). These tests show that the
+(a truncated replay is a different answer). The engine (app/machine/engine.py)
+caps every stored response at MAX_STORED_RESPONSE_BYTES and refuses a larger
+one as a bug; the database refuses it too (migration 0005). These tests show that the
 largest response the API can produce is well inside the cap, and that the
 guard refuses, rather than trims, one that is not.
 """
@@ -18,7 +18,8 @@ from datetime import UTC, datetime
 import pytest
 
 from app.payments.models import MAX_AMOUNT_MINOR, Payment, PaymentRequest, fee_for
-from app.payments.phases import MAX_STORED_RESPONSE_BYTES, StoredResponseTooLarge, stored_body
+from app.machine.engine import MAX_STORED_RESPONSE_BYTES, StoredResponseTooLarge, storable
+from app.payments.models import PaymentView
 from app.rails.answers import Charge, Transfer
 
 
@@ -47,7 +48,7 @@ def largest_payment(status: str) -> Payment:
 
 @pytest.mark.parametrize("status", ["succeeded", "declined", "failed"])
 def test_the_largest_response_a_payment_can_have_is_well_inside_the_cap(status):
-    body = stored_body(largest_payment(status))
+    body = storable(PaymentView.of(largest_payment(status)).body())
 
     assert len(body.encode()) <= MAX_STORED_RESPONSE_BYTES // 2, len(body.encode())
 
@@ -57,4 +58,4 @@ def test_a_response_over_the_cap_is_refused_whole_never_truncated():
     oversized = replace(largest_payment("succeeded"), beneficiary_name="n" * MAX_STORED_RESPONSE_BYTES)
 
     with pytest.raises(StoredResponseTooLarge):
-        stored_body(oversized)
+        storable(PaymentView.of(oversized).body())

@@ -1,6 +1,7 @@
 """submit_payment's response matrix, one row per test, in milliseconds.
 
-app/payments/service.py decides from the stored key row alone what a POST
+The response matrix (app/machine/matrix.py, reached through
+app/payments/service.py) decides from the stored key row alone what a POST
 gets: a claim and a drive, a 422, a replay, a 202, a 409 or a takeover. The
 real-process tests (tests/integration, tests/crash) prove each row against
 PostgreSQL and the fake rails; these prove the decision itself, with the
@@ -8,7 +9,7 @@ database and the rails replaced by the in-memory fakes of tests/unit/fakes.py,
 so that each row also says what it must *not* do (a 422 never takes over, a
 replay never calls the PSP, a parked key drives nothing).
 
-Each test names, in its docstring, the one-line bug in service.py it catches.
+Each test names, in its docstring, the one-line bug in matrix.py it catches.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import pytest
 
 from app.payments import service
 from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, FINISHED
-from app.payments.runner import Finished, Pending
-from app.payments.service import Reply
+from app.machine.engine import Finished, Pending
+from app.machine.matrix import Reply
 from app.problems import IDEMPOTENCY_KEY_REUSED, REQUEST_IN_PROGRESS, ProblemError
 from app.rails.answers import Charge, Transfer
 from app.rails.outcomes import Applied
@@ -117,7 +118,7 @@ async def test_a_parked_key_answers_pending_and_drives_nothing(db, last_error, r
     payment = db.payments[row.payment_id]
     assert reply == Reply(Pending(payment, reason), replayed=False)
     assert payment.status == "indeterminate"  # a 202 saying so, never "failed"
-    assert db.names == ["payments.get"]  # a read, and nothing written
+    assert db.names == ["load payment"]  # a read, and nothing written
     assert psp.calls == [] and rail.calls == []
 
 
