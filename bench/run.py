@@ -102,8 +102,7 @@ import asyncpg
 import psutil
 import typer
 
-from app.clients import new_api_key
-from app.cli import create_client
+from app.admin import create_client
 from bench import ceiling, costs, outbox, report, watching
 from bench.checks import Check, exactly_once, replays_check
 from bench.costs import STATS_SETTLE_SECONDS, CpuMeter, Wal, WalCount
@@ -482,8 +481,7 @@ class Bench:
         binary = ceiling.pgbench_binary(self.server)
         if binary is None:
             return {"n/a": "no pgbench found (PATH, or the embedded PostgreSQL's)"}
-        api_key = new_api_key()
-        client_id, _ = await asyncio.to_thread(create_client, self.dbs.service_url, "pgbench", api_key)
+        client_id, api_key = await asyncio.to_thread(create_client, self.dbs.service_url, "pgbench")
         try:
             path, titles = await ceiling.write_script(api_key, client_id)
         except ceiling.RecordingFailed as exc:

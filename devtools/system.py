@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from app.cli import create_client, migrate_database
+from app.admin import create_client, migrate_database
 from app.config import libpq_url
 from devtools import embedded_db, nginx
 from devtools.processes import BIN, Process, child_env, free_port
