@@ -4,11 +4,8 @@ The command-line surface only: each command reads its options and the
 settings from the environment, refuses a bad one with a clear message, calls
 the service (the admin operations are in app/admin.py) and prints the
 answer. Each imports what it needs inside itself, so a command starts
-without loading the others' dependencies.
-
-`payments run` is what `make run` calls: the whole system on one machine, on
-an embedded PostgreSQL unless DATABASE_URL names a server. It is development
-tooling (devtools/run.py), imported inside the command only.
+without loading the others' dependencies. Starting the whole system for
+development (`make run`) is not a command of the service: it is devtools/run.py.
 """
 
 from __future__ import annotations
@@ -428,21 +425,6 @@ def events_attempts(event_id: str) -> None:
             f"  {latency}  {r['error_class'] or ''} {r['error'] or ''}  {r['url'] or ''}",
             soft_wrap=True, markup=False, highlight=False,
         )
-
-
-@cli.command()
-def run(
-    api_port: int = typer.Option(8000, envvar="API_PORT"),
-    psp_port: int = typer.Option(8101, envvar="PSP_PORT"),
-    rail_port: int = typer.Option(8102, envvar="RAIL_PORT"),
-    merchant_port: int = typer.Option(8103, envvar="MERCHANT_PORT"),
-) -> None:
-    """Start everything: database, migrations, fake PSP, fake rail, fake merchant, API, worker. Ctrl-C stops it all."""
-    # Development tooling (devtools/run.py), not the service: imported here
-    # only, so nothing else the service runs depends on it.
-    from devtools.run import run as run_system
-
-    run_system(console, api_port, psp_port, rail_port, merchant_port)
 
 
 def main() -> None:

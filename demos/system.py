@@ -1,6 +1,6 @@
 """The whole system for a demo: PostgreSQL, a fresh database, the fakes, API processes.
 
-Started the one way the tests, the bench and `payments run` start it
+Started the one way the tests, the bench and `make run` start it
 (devtools/system.py): the embedded PostgreSQL unless DATABASE_URL names a
 server (stopped at the end only if we started it), a database of our own
 (`payments_demo`, dropped and re-created on every run, so nobody else's data

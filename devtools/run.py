@@ -1,7 +1,6 @@
-"""Development tooling, not the payment path: what `payments run` (and so `make run`) does.
+"""Development tooling, not the payment path: `make run`, the whole system on one machine.
 
-app/cli.py's `run` command imports this inside the command and calls `run`;
-nothing else in app/ imports devtools. It starts the whole system with
+`python -m devtools.run` (what `make run` runs) starts the whole system with
 devtools/system.py: the embedded PostgreSQL unless DATABASE_URL names a
 server (its `payments` database, kept from run to run), migrations, a demo
 client whose key is kept in .data/ (with a webhook endpoint at the fake
@@ -17,6 +16,7 @@ fakes are), so the settings of README.md#settings apply to `make run`.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import hashlib
 import json
@@ -35,6 +35,18 @@ from app import admin
 from devtools.bodies import payment_body
 from devtools.processes import NotHealthy
 from devtools.system import System
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m devtools.run [--api-port N] ...`: the ports default to API_PORT, PSP_PORT, RAIL_PORT, MERCHANT_PORT."""
+    parser = argparse.ArgumentParser(prog="python -m devtools.run", description=__doc__.splitlines()[0])
+    for option, variable, default in (("--api-port", "API_PORT", 8000), ("--psp-port", "PSP_PORT", 8101),
+                                      ("--rail-port", "RAIL_PORT", 8102), ("--merchant-port", "MERCHANT_PORT", 8103)):
+        # A string default goes through `type` too: a bad variable is refused like a bad option.
+        parser.add_argument(option, type=int, default=os.environ.get(variable, str(default)),
+                            help=f"default {default}, or {variable}")
+    args = parser.parse_args(argv)
+    run(Console(), args.api_port, args.psp_port, args.rail_port, args.merchant_port)
 
 
 def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant_port: int = 8103) -> None:
@@ -194,3 +206,6 @@ def print_pay_once(console: Console, api_url: str, api_key: str) -> None:
         soft_wrap=True, highlight=False, markup=False,
     )
 
+
+if __name__ == "__main__":
+    main()

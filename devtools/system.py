@@ -1,6 +1,6 @@
 """Development tooling, not the payment path: the one way to start the system on one machine.
 
-Used by `payments run` (devtools/run.py), the tests (tests/conftest.py and
+Used by `make run` (devtools/run.py), the tests (tests/conftest.py and
 tests/outage/conftest.py), the demos (demos/system.py) and the bench
 (bench/system.py). The parts, each of which can be started alone, in the
 order they depend on each other:
@@ -19,7 +19,7 @@ order they depend on each other:
 `System.stop` (or leaving the `with` block) stops everything it started, in
 reverse, however the block ends. Every process gets an explicit environment
 (devtools/processes.py::child_env plus the settings given here), unless the
-caller passes its own (`payments run` hands its children the user's
+caller passes its own (`make run` hands its children the user's
 environment, as the README's settings table says).
 """
 
@@ -79,7 +79,7 @@ class System:
     """The system's parts, started one by one, stopped together in reverse.
 
     `logs`: a directory for each process's output; None leaves it on the
-    terminal (`payments run`). `settings`: environment settings every
+    terminal (`make run`). `settings`: environment settings every
     service process (API, worker) gets. `environ`: the environment they
     start from; by default an explicit one (processes.py::child_env).
     """
