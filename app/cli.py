@@ -78,7 +78,7 @@ def api(
     workers: int = typer.Option(1, help="Worker processes (uvicorn)."),
 ) -> None:
     """Serve the payment API (settings from the environment; see README)."""
-    _serve("app.main:create_app", host, port, workers)
+    serve("app.main:create_app", host, port, workers)
 
 
 # Server-level bounds on what a client can make a process hold (README.md#bounds-on-input):
@@ -93,7 +93,15 @@ TIMEOUT_KEEP_ALIVE = 5
 LIMIT_CONCURRENCY = 1000
 
 
-def _serve(factory: str, host: str, port: int, workers: int, *, metered: bool = True) -> None:
+def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = True) -> None:
+    """Serve the app that `factory` ("module:function") builds, with the settings and bounds of `payments api`.
+
+    Refuses to start (exit 2) on a missing DATABASE_URL or a bad setting.
+    `metered`: serve /metrics from every worker process (the multiprocess
+    directory is prepared here). The naive twin (naive_twin/cli.py) is
+    served through this too, so the bench compares the two flows and not
+    two servers.
+    """
     from app.observability import logs, multiproc
 
     _database_url()
@@ -210,16 +218,6 @@ def crash_points_command(
 
     for point, meaning in POINTS.items():
         print(f"{point:26} {meaning}" if explain else point)
-
-
-@cli.command("naive-api")
-def naive_api(
-    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
-    port: int = typer.Option(8010, help="Port to listen on."),
-    workers: int = typer.Option(1, help="Worker processes (uvicorn)."),
-) -> None:
-    """Serve THE NAIVE TWIN: the same flow with no protection. For benchmarks and demos only."""
-    _serve("naive_twin.app:create_app", host, port, workers, metered=False)
 
 
 @cli.command()

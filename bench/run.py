@@ -1,6 +1,6 @@
 """`make bench`: what exactly-once costs, measured against the same flow without it.
 
-The phased service (`payments api`) and its naive twin (`payments naive-api`,
+The phased service (`payments api`) and its naive twin (`naive-twin`,
 the same five steps with no keys, no phases, no fencing) run side by side on
 this machine, against the same PostgreSQL, fake PSP and fake rail. The bench
 drives each in turn with the same load and prints ratios, because only
@@ -55,7 +55,7 @@ How it runs (19-23 minutes with the defaults on a 2-CPU machine, most of it the 
     for each worker count (1, then 2):
         start `payments api --workers N` three times (watched: the defaults;
         unwatched: metrics off, logging at WARNING; webhooks: the defaults
-        again, in a process of its own) and `payments naive-api --workers N`
+        again, in a process of its own) and `naive-twin --workers N`
         for each round: phased, unwatched, webhooks, naive (odd rounds), the reverse (even)
         (webhooks: the phased service paid by a client with a webhook endpoint,
         while a worker's dispatcher delivers to the fake merchant):

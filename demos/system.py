@@ -110,7 +110,7 @@ class System(devtools_system.System):
 
     def naive_api(self, *, name: str = "naive", env: dict[str, str] | None = None) -> Proc:
         """THE NAIVE TWIN (naive_twin/), the unsafe counter-example, as a process."""
-        return self._up(lambda: self.start_api(name, command="naive-api", **(env or {})))
+        return self._up(lambda: self.start_api(name, command="naive-twin", **(env or {})))
 
     def worker(self) -> Proc:
         return self._up(lambda: self.start_worker("worker", WORKER_MIN_AGE_SECONDS="0", WORKER_POLL_SECONDS="0.2"))

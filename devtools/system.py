@@ -12,7 +12,7 @@ order they depend on each other:
    migration;
 3. a client and its API key;
 4. the fake PSP and the fake rail, and the fake merchant (a webhook endpoint);
-5. API processes (`payments api`, or `payments naive-api`) and workers;
+5. API processes (`payments api`, or the naive twin's `naive-twin`) and workers;
 6. nginx in front of several API processes (devtools/nginx.py), for `make
    cluster` and the chaos soak.
 
@@ -170,7 +170,7 @@ class System:
 
     def start_api(self, name: str = "api", *, port: int | None = None, command: str = "api",
                   args: Iterable[str] = (), **settings: str) -> Process:
-        """`payments api` (or `command="naive-api"`), up once /healthz answers."""
+        """`payments api` (or with `command="naive-twin"` the naive twin), up once /healthz answers."""
         return self.spawn(self.api_process(name, port=port, command=command, args=args, **settings))
 
     def start_worker(self, name: str = "worker", **settings: str) -> Process:
@@ -203,9 +203,10 @@ class System:
 
     def api_process(self, name: str = "api", *, port: int | None = None, command: str = "api",
                     args: Iterable[str] = (), **settings: str) -> Process:
-        """`payments <command> --port <port> <args>` with service_env(**settings)."""
+        """`payments api --port <port> <args>` (`command="naive-twin"`: `naive-twin --port ...`) with service_env(**settings)."""
         port = port or free_port()
-        argv = [str(BIN / "payments"), command, "--port", str(port), *args]
+        program = [str(BIN / "payments"), "api"] if command == "api" else [str(BIN / command)]
+        argv = [*program, "--port", str(port), *args]
         return Process(name, argv, self.service_env(**settings), self.log_for(name, port), port)
 
     def worker_process(self, name: str = "worker", **settings: str) -> Process:
