@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml requirements.lock
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/payments run
+	$(BIN)/python -m devtools.run
 
 # nginx is the distribution's package; without it, say how to get it.
 REPLICAS ?= 3

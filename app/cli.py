@@ -1,15 +1,17 @@
-"""The `payments` command: run the API, migrate, manage clients, start the stack.
+"""The `payments` command: the service's processes (API, worker) and its operators' commands.
 
-`payments run` is what `make run` calls: the whole system on one machine, on
-an embedded PostgreSQL unless DATABASE_URL names a server. It is development
-tooling (devtools/run.py), imported inside the command only.
+The command-line surface only: each command reads its options and the
+settings from the environment, refuses a bad one with a clear message, calls
+the service (the admin operations are in app/admin.py) and prints the
+answer. Each imports what it needs inside itself, so a command starts
+without loading the others' dependencies. Starting the whole system for
+development (`make run`) is not a command of the service: it is devtools/run.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -69,93 +71,6 @@ def _settings():
         raise typer.Exit(2) from None
 
 
-def migrate_database(url: str) -> list[str]:
-    """Bring the schema to the newest Alembic revision, and the key table's partitions a week ahead.
-
-    The partitions are part of a usable schema: a claim on a day with no
-    partition is refused (503), so a fresh database, or one whose worker has
-    not run for a while, gets today's and the coming days' here. Returns the
-    names of the partitions created.
-    """
-    from alembic import command
-    from alembic.config import Config
-
-    from app.config import asyncpg_url
-    from app.db.transaction import autocommit
-    from app.idempotency import partitions
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    config = Config(str(Path(__file__).resolve().parent.parent / "alembic.ini"))
-    config.attributes["database_url"] = url
-    command.upgrade(config, "head")
-
-    async def ahead() -> list[str]:
-        engine = create_async_engine(asyncpg_url(url), hide_parameters=True)
-        try:
-            return await autocommit(engine, partitions.ensure_ahead)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(ahead())
-
-
-def _on_database(url: str, work):
-    """Run `work(engine)` against `url` with an engine of its own, disposed after."""
-    from app.config import asyncpg_url
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    async def go():
-        engine = create_async_engine(asyncpg_url(url), hide_parameters=True)
-        try:
-            return await work(engine)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(go())
-
-
-def set_webhook(url: str, client_name: str, webhook_url: str | None, *, rotate_secret: bool = False):
-    """Set (or with None remove) the webhook endpoint of the client named `client_name`.
-
-    Returns ("set", secret or None), ("removed", cancelled deliveries) or
-    ("no-client", None). Raises InvalidWebhookUrl.
-    """
-    from app import clients
-    from app.db.transaction import atomic
-    from app.outbox import endpoints
-
-    if webhook_url is not None:
-        endpoints.checked_url(webhook_url)
-
-    async def work(conn):
-        client_id = await clients.by_name(conn, client_name)
-        if client_id is None:
-            return "no-client", None
-        if webhook_url is None:
-            return "removed", await endpoints.remove_endpoint(conn, client_id)
-        return "set", await endpoints.set_endpoint(conn, client_id, webhook_url, rotate_secret=rotate_secret)
-
-    return _on_database(url, lambda engine: atomic(engine, work))
-
-
-def create_client(url: str, name: str, api_key: str | None = None) -> tuple[int, str]:
-    from app import clients
-    from app.config import asyncpg_url
-    from app.db.transaction import atomic
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    api_key = api_key or clients.new_api_key()
-
-    async def go() -> int:
-        engine = create_async_engine(asyncpg_url(url), hide_parameters=True)
-        try:
-            return await atomic(engine, clients.create, name, api_key)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(go()), api_key
-
-
 @cli.command()
 def api(
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
@@ -163,7 +78,7 @@ def api(
     workers: int = typer.Option(1, help="Worker processes (uvicorn)."),
 ) -> None:
     """Serve the payment API (settings from the environment; see README)."""
-    _serve("app.main:create_app", host, port, workers)
+    serve("app.main:create_app", host, port, workers)
 
 
 # Server-level bounds on what a client can make a process hold (README.md#bounds-on-input):
@@ -178,7 +93,15 @@ TIMEOUT_KEEP_ALIVE = 5
 LIMIT_CONCURRENCY = 1000
 
 
-def _serve(factory: str, host: str, port: int, workers: int, *, metered: bool = True) -> None:
+def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = True) -> None:
+    """Serve the app that `factory` ("module:function") builds, with the settings and bounds of `payments api`.
+
+    Refuses to start (exit 2) on a missing DATABASE_URL or a bad setting.
+    `metered`: serve /metrics from every worker process (the multiprocess
+    directory is prepared here). The naive twin (naive_twin/cli.py) is
+    served through this too, so the bench compares the two flows and not
+    two servers.
+    """
     from app.observability import logs, multiproc
 
     _database_url()
@@ -267,19 +190,11 @@ def reconcile(
 @cli.command()
 def breaks() -> None:
     """List reconciliation breaks: what could not be settled safely, for a person to look at."""
-    from app.config import asyncpg_url
+    from app.admin import on_database
     from app.db.transaction import read
     from app.workers import reconciliation
-    from sqlalchemy.ext.asyncio import create_async_engine
 
-    async def go() -> list[dict]:
-        engine = create_async_engine(asyncpg_url(_database_url()), hide_parameters=True)
-        try:
-            return await read(engine, reconciliation.list_breaks)
-        finally:
-            await engine.dispose()
-
-    rows = asyncio.run(go())
+    rows = on_database(_database_url(), lambda engine: read(engine, reconciliation.list_breaks))
     if not rows:
         console.print("no breaks")
         return
@@ -305,21 +220,12 @@ def crash_points_command(
         print(f"{point:26} {meaning}" if explain else point)
 
 
-@cli.command("naive-api")
-def naive_api(
-    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
-    port: int = typer.Option(8010, help="Port to listen on."),
-    workers: int = typer.Option(1, help="Worker processes (uvicorn)."),
-) -> None:
-    """Serve THE NAIVE TWIN: the same flow with no protection. For benchmarks and demos only."""
-    _serve("naive_twin.app:create_app", host, port, workers, metered=False)
-
-
 @cli.command()
 def migrate() -> None:
     """Apply database migrations (Alembic) to DATABASE_URL."""
     from sqlalchemy.exc import DBAPIError
 
+    from app.admin import migrate_database
     from app.config import redacted_url
 
     url = _database_url()
@@ -342,22 +248,13 @@ def keys_reap(
     """Create the key table's partitions ahead, and drop the days past KEY_RETENTION_HOURS (live rows moved out first)."""
     from datetime import timedelta
 
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    from app.config import asyncpg_url
+    from app.admin import on_database
     from app.workers import retention
 
     url = _database_url()
     settings = _settings()
-
-    async def go() -> retention.Report:
-        engine = create_async_engine(asyncpg_url(url), hide_parameters=True)
-        try:
-            return await retention.reap(engine, timedelta(hours=settings.key_retention_hours), dry_run=dry_run)
-        finally:
-            await engine.dispose()
-
-    report = asyncio.run(go())
+    retention_period = timedelta(hours=settings.key_retention_hours)
+    report = on_database(url, lambda engine: retention.reap(engine, retention_period, dry_run=dry_run))
     would = "would " if dry_run else ""
     print(f"retention: {settings.key_retention_hours:g} h")
     for name in report.created:
@@ -385,6 +282,7 @@ def clients_create(
     webhook_url: str = typer.Option(None, "--webhook-url", help="POST this client's events here (Standard Webhooks)."),
 ) -> None:
     """Create a client and print its API key (shown once, stored hashed), and its webhook secret."""
+    from app.admin import create_client, set_webhook
     from app.outbox.endpoints import InvalidWebhookUrl, checked_url
 
     url = _database_url()
@@ -416,6 +314,7 @@ def clients_set_webhook(
     rotate_secret: bool = typer.Option(False, "--rotate-secret", help="Generate a new signing secret (shown once)."),
 ) -> None:
     """Set or change the client's webhook URL; pending deliveries go to the new one."""
+    from app.admin import set_webhook
     from app.outbox.endpoints import InvalidWebhookUrl
 
     try:
@@ -434,6 +333,8 @@ def clients_set_webhook(
 @clients_cli.command("remove-webhook")
 def clients_remove_webhook(name: str) -> None:
     """Remove the client's webhook endpoint; its pending deliveries are cancelled (events stay in GET /v1/events)."""
+    from app.admin import set_webhook
+
     status, cancelled = set_webhook(_database_url(), name, None)
     if status == "no-client":
         console.print(f"no client named {name!r}", style="red", markup=False, highlight=False)
@@ -449,26 +350,14 @@ def events_redeliver(event_id: str) -> None:
     """Deliver an event's webhook again, with a fresh retry schedule (a dead one, or any finished one)."""
     import uuid
 
-    from app.db.transaction import atomic
-    from app.outbox import delivery
+    from app.admin import redeliver_event
 
     try:
         eid = uuid.UUID(event_id)
     except ValueError:
         console.print(f"not an event id: {event_id!r}", style="red", markup=False, highlight=False)
         raise typer.Exit(2) from None
-
-    async def work(conn):
-        found = await delivery.delivery(conn, eid)
-        if found is None:
-            return "no-event", None
-        if found["endpoint_url"] is None:
-            return "no-endpoint", found
-        if not await delivery.redeliver(conn, eid):
-            return "pending", found
-        return "queued", found
-
-    status, found = _on_database(_database_url(), lambda engine: atomic(engine, work))
+    status, found = redeliver_event(_database_url(), eid)
     if status == "no-event":
         console.print(f"no event {eid}", style="red")
         raise typer.Exit(1)
@@ -488,13 +377,14 @@ def events_list(
     limit: int = typer.Option(20, "--limit", min=1, max=1000),
 ) -> None:
     """The newest webhook deliveries, with their state and last error (`--state dead`: those waiting for a person)."""
+    from app.admin import on_database
     from app.db.transaction import read
     from app.outbox import delivery
 
     if state not in (None, "pending", "delivered", "dead", "cancelled"):
         console.print("--state is pending, delivered, dead or cancelled", style="red")
         raise typer.Exit(2)
-    rows = _on_database(_database_url(), lambda engine: read(engine, delivery.deliveries, state, limit))
+    rows = on_database(_database_url(), lambda engine: read(engine, delivery.deliveries, state, limit))
     if not rows:
         console.print("no deliveries" + (f" in state {state}" if state else ""))
         return
@@ -512,6 +402,7 @@ def events_attempts(event_id: str) -> None:
     """Every delivery attempt of one event: when, where, status, latency, error class."""
     import uuid
 
+    from app.admin import on_database
     from app.db.transaction import read
     from app.outbox import delivery
 
@@ -520,7 +411,7 @@ def events_attempts(event_id: str) -> None:
     except ValueError:
         console.print(f"not an event id: {event_id!r}", style="red", markup=False, highlight=False)
         raise typer.Exit(2) from None
-    rows = _on_database(_database_url(), lambda engine: read(engine, delivery.attempts, eid))
+    rows = on_database(_database_url(), lambda engine: read(engine, delivery.attempts, eid))
     if not rows:
         console.print(f"no delivery attempts of event {eid}")
         return
@@ -532,21 +423,6 @@ def events_attempts(event_id: str) -> None:
             f"  {latency}  {r['error_class'] or ''} {r['error'] or ''}  {r['url'] or ''}",
             soft_wrap=True, markup=False, highlight=False,
         )
-
-
-@cli.command()
-def run(
-    api_port: int = typer.Option(8000, envvar="API_PORT"),
-    psp_port: int = typer.Option(8101, envvar="PSP_PORT"),
-    rail_port: int = typer.Option(8102, envvar="RAIL_PORT"),
-    merchant_port: int = typer.Option(8103, envvar="MERCHANT_PORT"),
-) -> None:
-    """Start everything: database, migrations, fake PSP, fake rail, fake merchant, API, worker. Ctrl-C stops it all."""
-    # Development tooling (devtools/run.py), not the service: imported here
-    # only, so nothing else the service runs depends on it.
-    from devtools.run import run as run_system
-
-    run_system(console, api_port, psp_port, rail_port, merchant_port)
 
 
 def main() -> None:

@@ -154,7 +154,7 @@ class Settings(BaseSettings):
     # /metrics on the API, and the worker's own on WORKER_METRICS_HOST:PORT
     # (the worker has no other HTTP face); false turns both off. Logs:
     # LOG_FORMAT json (one object per line) or console (readable; what
-    # `payments run` uses); LOG_LEVEL for the service's own loggers.
+    # `make run` uses); LOG_LEVEL for the service's own loggers.
     metrics_enabled: bool = True
     worker_metrics_host: str = "127.0.0.1"
     worker_metrics_port: int = Field(default=8200, ge=1, le=65535)
@@ -174,7 +174,7 @@ class Settings(BaseSettings):
     # behind this one token, sent as `Authorization: Bearer <token>` or through
     # the console's login form. Unset, the console is disabled (404): it is
     # never open to whoever can reach the port. A secret, so never printed by a
-    # refused setting. `payments run` generates one when none is set.
+    # refused setting. `make run` generates one when none is set.
     operator_token: SecretStr | None = None
 
     @property

@@ -87,7 +87,7 @@ def summarise(raw: str) -> dict[str, list[tuple[str, float]]]:
 
     # Packages under every sample (the entry point, uvicorn's loop) say nothing.
     everywhere = {name for name, c in any_package.items() if c >= 0.6 * total and name not in self_package}
-    for name in everywhere | {"payments", "typer", "runpy", "<frozen runpy>"}:
+    for name in everywhere | {"payments", "naive-twin", "typer", "runpy", "<frozen runpy>"}:
         any_package.pop(name, None)
 
     return {

@@ -1,6 +1,6 @@
 """`make bench`: what exactly-once costs, measured against the same flow without it.
 
-The phased service (`payments api`) and its naive twin (`payments naive-api`,
+The phased service (`payments api`) and its naive twin (`naive-twin`,
 the same five steps with no keys, no phases, no fencing) run side by side on
 this machine, against the same PostgreSQL, fake PSP and fake rail. The bench
 drives each in turn with the same load and prints ratios, because only
@@ -55,7 +55,7 @@ How it runs (19-23 minutes with the defaults on a 2-CPU machine, most of it the 
     for each worker count (1, then 2):
         start `payments api --workers N` three times (watched: the defaults;
         unwatched: metrics off, logging at WARNING; webhooks: the defaults
-        again, in a process of its own) and `payments naive-api --workers N`
+        again, in a process of its own) and `naive-twin --workers N`
         for each round: phased, unwatched, webhooks, naive (odd rounds), the reverse (even)
         (webhooks: the phased service paid by a client with a webhook endpoint,
         while a worker's dispatcher delivers to the fake merchant):
@@ -102,8 +102,7 @@ import asyncpg
 import psutil
 import typer
 
-from app.clients import new_api_key
-from app.cli import create_client
+from app.admin import create_client
 from bench import ceiling, costs, outbox, report, watching
 from bench.checks import Check, exactly_once, replays_check
 from bench.costs import STATS_SETTLE_SECONDS, CpuMeter, Wal, WalCount
@@ -482,8 +481,7 @@ class Bench:
         binary = ceiling.pgbench_binary(self.server)
         if binary is None:
             return {"n/a": "no pgbench found (PATH, or the embedded PostgreSQL's)"}
-        api_key = new_api_key()
-        client_id, _ = await asyncio.to_thread(create_client, self.dbs.service_url, "pgbench", api_key)
+        client_id, api_key = await asyncio.to_thread(create_client, self.dbs.service_url, "pgbench")
         try:
             path, titles = await ceiling.write_script(api_key, client_id)
         except ceiling.RecordingFailed as exc:

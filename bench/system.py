@@ -254,13 +254,13 @@ def merchant_and_worker(dbs: Databases, psp: Service, rail: Service) -> list[Ser
 
 
 def apis(service_url: str, psp: Service, rail: Service, workers: int) -> dict[str, Service]:
-    """The phased service (`payments api`) watched and unwatched, and the naive twin (`payments naive-api`),
+    """The phased service (`payments api`) watched and unwatched, and the naive twin (`naive-twin`),
     `workers` processes each."""
     system = System()
     system.database_url, system.psp, system.rail = service_url, psp, rail
     # uvicorn runs a single worker in its own process, and N > 1 in children of a master.
     processes = 1 if workers == 1 else workers + 1
-    command = {PHASED: "api", UNWATCHED: "api", WEBHOOKS: "api", NAIVE: "naive-api"}
+    command = {PHASED: "api", UNWATCHED: "api", WEBHOOKS: "api", NAIVE: "naive-twin"}
     return {
         variant: Service.of(
             system.api_process(command=command[variant], args=("--workers", str(workers)), **SETTINGS[variant]),

@@ -1,6 +1,6 @@
 """The whole system for a demo: PostgreSQL, a fresh database, the fakes, API processes.
 
-Started the one way the tests, the bench and `payments run` start it
+Started the one way the tests, the bench and `make run` start it
 (devtools/system.py): the embedded PostgreSQL unless DATABASE_URL names a
 server (stopped at the end only if we started it), a database of our own
 (`payments_demo`, dropped and re-created on every run, so nobody else's data
@@ -110,7 +110,7 @@ class System(devtools_system.System):
 
     def naive_api(self, *, name: str = "naive", env: dict[str, str] | None = None) -> Proc:
         """THE NAIVE TWIN (naive_twin/), the unsafe counter-example, as a process."""
-        return self._up(lambda: self.start_api(name, command="naive-api", **(env or {})))
+        return self._up(lambda: self.start_api(name, command="naive-twin", **(env or {})))
 
     def worker(self) -> Proc:
         return self._up(lambda: self.start_worker("worker", WORKER_MIN_AGE_SECONDS="0", WORKER_POLL_SECONDS="0.2"))

@@ -1,7 +1,7 @@
 """Development tooling, not the payment path: the one payment-body factory.
 
 The body of a `POST /v1/payments` that the tests, the demos, the bench and
-`payments run`'s welcome (its curl command) send: 12.50 EUR charged to the
+`make run`'s welcome (its curl command) send: 12.50 EUR charged to the
 test card `tok_visa` and paid out to Ada Lovelace's IBAN. A dict, with
 overrides; a caller that needs bytes encodes it (`json.dumps(...).encode()`).
 The service never builds one: it receives them.

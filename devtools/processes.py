@@ -1,6 +1,6 @@
 """Development tooling, not the payment path: the one process harness.
 
-Used by `payments run` (devtools/run.py), the tests (tests/conftest.py), the
+Used by `make run` (devtools/run.py), the tests (tests/conftest.py), the
 demos (demos/system.py) and the bench (bench/system.py), which all start the
 fake PSP, the fake rail, API processes and workers as real processes. Nothing
 in app/ imports it.

@@ -1,16 +1,14 @@
-"""Development tooling, not the payment path: what `payments run` (and so `make run`) does.
+"""Development tooling, not the payment path: `make run`, the whole system on one machine.
 
-app/cli.py's `run` command imports this inside the command and calls `run`;
-nothing else in app/ imports devtools. It starts the whole system with
+`python -m devtools.run` (what `make run` runs) starts the whole system with
 devtools/system.py: the embedded PostgreSQL unless DATABASE_URL names a
 server (its `payments` database, kept from run to run), migrations, a demo
 client whose key is kept in .data/ (with a webhook endpoint at the fake
 merchant), the fake PSP, the fake rail, the fake merchant, the API and the
 worker on the ports given, then prints how to pay once and a link into the
 operator console (OPERATOR_TOKEN, generated and kept in .data/ when it is not
-set). Ctrl-C,
-a closed terminal (SIGHUP) or a SIGTERM stops every process it started and
-the embedded PostgreSQL if it started it.
+set). Ctrl-C, a closed terminal (SIGHUP) or a SIGTERM stops every process it
+started and the embedded PostgreSQL if it started it.
 
 Its children get the user's environment (plus where the database and the
 fakes are), so the settings of README.md#settings apply to `make run`.
@@ -18,7 +16,7 @@ fakes are), so the settings of README.md#settings apply to `make run`.
 
 from __future__ import annotations
 
-import asyncio
+import argparse
 import base64
 import hashlib
 import json
@@ -33,10 +31,22 @@ from urllib.parse import urlencode
 
 from rich.console import Console
 
-from app.cli import create_client
+from app import admin
 from devtools.bodies import payment_body
 from devtools.processes import NotHealthy
 from devtools.system import System
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m devtools.run [--api-port N] ...`: the ports default to API_PORT, PSP_PORT, RAIL_PORT, MERCHANT_PORT."""
+    parser = argparse.ArgumentParser(prog="python -m devtools.run", description=__doc__.splitlines()[0])
+    for option, variable, default in (("--api-port", "API_PORT", 8000), ("--psp-port", "PSP_PORT", 8101),
+                                      ("--rail-port", "RAIL_PORT", 8102), ("--merchant-port", "MERCHANT_PORT", 8103)):
+        # A string default goes through `type` too: a bad variable is refused like a bad option.
+        parser.add_argument(option, type=int, default=os.environ.get(variable, str(default)),
+                            help=f"default {default}, or {variable}")
+    args = parser.parse_args(argv)
+    run(Console(), args.api_port, args.psp_port, args.rail_port, args.merchant_port)
 
 
 def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant_port: int = 8103) -> None:
@@ -118,28 +128,14 @@ def _interrupt(*_: object) -> None:
 
 def demo_api_key(url: str) -> str:
     """The demo client's key: kept in .data/ so the next `make run` prints the same one."""
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    from app import clients
-    from app.config import asyncpg_url
-    from app.db.transaction import read
-
     # One file per database, so switching DATABASE_URL back and forth keeps both keys.
     digest = hashlib.sha256(url.encode()).hexdigest()[:12]
     path = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")) / f"demo-api-key-{digest}"
     if path.exists():
         api_key = path.read_text().strip()
-
-        async def known() -> bool:
-            engine = create_async_engine(asyncpg_url(url), hide_parameters=True)
-            try:
-                return await read(engine, clients.authenticate, api_key) is not None
-            finally:
-                await engine.dispose()
-
-        if asyncio.run(known()):
+        if admin.client_of_key(url, api_key) is not None:
             return api_key
-    _, api_key = create_client(url, "demo")
+    _, api_key = admin.create_client(url, "demo")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(api_key + "\n")
     return api_key
@@ -175,20 +171,10 @@ def print_console_link(console: Console, api_url: str, operator_token: str, page
 
 def demo_webhook_secret(url: str, webhook_url: str) -> str:
     """Point the demo client's webhook endpoint at `webhook_url` (created the first time); its signing secret."""
-    from app.cli import _on_database, set_webhook
-    from app.db.transaction import read
-    from app.outbox import endpoints
-    from app import clients
-
-    set_webhook(url, "demo", webhook_url)
-
-    async def secret(conn) -> str:
-        client_id = await clients.by_name(conn, "demo")
-        found = await endpoints.get_endpoint(conn, client_id)
-        assert found is not None
-        return found[1]
-
-    return _on_database(url, lambda engine: read(engine, secret))
+    admin.set_webhook(url, "demo", webhook_url)
+    endpoint = admin.webhook_endpoint(url, "demo")
+    assert endpoint is not None
+    return endpoint[1]
 
 
 def _print_welcome(console: Console, api_port: int, psp_port: int, rail_port: int, merchant_port: int,
@@ -219,3 +205,7 @@ def print_pay_once(console: Console, api_url: str, api_key: str) -> None:
         f"  -d '{body}'",
         soft_wrap=True, highlight=False, markup=False,
     )
+
+
+if __name__ == "__main__":
+    main()

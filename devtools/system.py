@@ -1,6 +1,6 @@
 """Development tooling, not the payment path: the one way to start the system on one machine.
 
-Used by `payments run` (devtools/run.py), the tests (tests/conftest.py and
+Used by `make run` (devtools/run.py), the tests (tests/conftest.py and
 tests/outage/conftest.py), the demos (demos/system.py) and the bench
 (bench/system.py). The parts, each of which can be started alone, in the
 order they depend on each other:
@@ -12,14 +12,14 @@ order they depend on each other:
    migration;
 3. a client and its API key;
 4. the fake PSP and the fake rail, and the fake merchant (a webhook endpoint);
-5. API processes (`payments api`, or `payments naive-api`) and workers;
+5. API processes (`payments api`, or the naive twin's `naive-twin`) and workers;
 6. nginx in front of several API processes (devtools/nginx.py), for `make
    cluster` and the chaos soak.
 
 `System.stop` (or leaving the `with` block) stops everything it started, in
 reverse, however the block ends. Every process gets an explicit environment
 (devtools/processes.py::child_env plus the settings given here), unless the
-caller passes its own (`payments run` hands its children the user's
+caller passes its own (`make run` hands its children the user's
 environment, as the README's settings table says).
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from app.cli import create_client, migrate_database
+from app.admin import create_client, migrate_database
 from app.config import libpq_url
 from devtools import embedded_db, nginx
 from devtools.processes import BIN, Process, child_env, free_port
@@ -79,7 +79,7 @@ class System:
     """The system's parts, started one by one, stopped together in reverse.
 
     `logs`: a directory for each process's output; None leaves it on the
-    terminal (`payments run`). `settings`: environment settings every
+    terminal (`make run`). `settings`: environment settings every
     service process (API, worker) gets. `environ`: the environment they
     start from; by default an explicit one (processes.py::child_env).
     """
@@ -170,7 +170,7 @@ class System:
 
     def start_api(self, name: str = "api", *, port: int | None = None, command: str = "api",
                   args: Iterable[str] = (), **settings: str) -> Process:
-        """`payments api` (or `command="naive-api"`), up once /healthz answers."""
+        """`payments api` (or with `command="naive-twin"` the naive twin), up once /healthz answers."""
         return self.spawn(self.api_process(name, port=port, command=command, args=args, **settings))
 
     def start_worker(self, name: str = "worker", **settings: str) -> Process:
@@ -203,9 +203,10 @@ class System:
 
     def api_process(self, name: str = "api", *, port: int | None = None, command: str = "api",
                     args: Iterable[str] = (), **settings: str) -> Process:
-        """`payments <command> --port <port> <args>` with service_env(**settings)."""
+        """`payments api --port <port> <args>` (`command="naive-twin"`: `naive-twin --port ...`) with service_env(**settings)."""
         port = port or free_port()
-        argv = [str(BIN / "payments"), command, "--port", str(port), *args]
+        program = [str(BIN / "payments"), "api"] if command == "api" else [str(BIN / command)]
+        argv = [*program, "--port", str(port), *args]
         return Process(name, argv, self.service_env(**settings), self.log_for(name, port), port)
 
     def worker_process(self, name: str = "worker", **settings: str) -> Process:

@@ -221,7 +221,7 @@ class Processes:
         self.started = system.processes
 
     def api(self, name: str = "api", command: str = "api", **env: str) -> Process:
-        """An API process (`command="naive-api"` for the naive twin)."""
+        """An API process (`command="naive-twin"` for the naive twin)."""
         return self.system.start_api(name, command=command, **env)
 
     def fake(self, kind: str, *args: str, port: int | None = None) -> Process:

@@ -334,10 +334,10 @@ def check_visible(mutant: Mutant, tree: Path, env: dict[str, str]) -> str | None
     """None if a fresh subprocess (as `payments` would be) imports every mutated module from the copy."""
     for edit in mutant.edits:
         # A migration is not imported by name: Alembic reads it from the
-        # directory beside the alembic.ini that app/cli.py::migrate_database
-        # finds next to itself, so app.cli must come from the copy.
+        # directory beside the alembic.ini that app/admin.py::migrate_database
+        # finds next to itself, so app.admin must come from the copy.
         migration = edit.path.startswith("migrations/")
-        module, expected = ("app.cli", tree / "app/cli.py") if migration else (module_of(edit.path), tree / edit.path)
+        module, expected = ("app.admin", tree / "app/admin.py") if migration else (module_of(edit.path), tree / edit.path)
         # Run from / so that only PYTHONPATH, not the current directory, can find the copy.
         imported = subprocess.run(
             [sys.executable, "-c", f"import {module} as m; print(m.__file__)"],

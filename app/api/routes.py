@@ -173,7 +173,7 @@ async def get_problem(slug: str) -> ProblemDoc:
 
 
 # A health check must answer quickly even when the database does not: a
-# load balancer (or `payments run`, or the test harness) polling it should
+# load balancer (or `make run`, or the test harness) polling it should
 # learn "down" in a couple of seconds, not after a connect or pool timeout.
 HEALTH_TIMEOUT_SECONDS = 2.0
 

@@ -19,12 +19,12 @@ from tests.support import charges, headers, payment_body, transfers
 
 async def test_the_naive_twin_charges_twice_when_a_client_retries_after_a_crash(http, stack, db, acme, processes):
     body = payment_body()
-    doomed = processes.api("naive-doomed", command="naive-api", NAIVE_CRASH_AFTER_CHARGE="1")
+    doomed = processes.api("naive-doomed", command="naive-twin", NAIVE_CRASH_AFTER_CHARGE="1")
     with pytest.raises(httpx.HTTPError):
         await http.post(f"{doomed.url}/v1/payments", json=body, headers=acme.auth)
     assert doomed.popen.wait(10) == 137
 
-    naive = processes.api("naive", command="naive-api")
+    naive = processes.api("naive", command="naive-twin")
     retry = await http.post(f"{naive.url}/v1/payments", json=body, headers=acme.auth)
 
     assert retry.status_code == 201

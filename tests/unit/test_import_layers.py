@@ -1,11 +1,13 @@
-"""Dependencies point one way, no module cycle hides anywhere, and the service imports no dev tooling: checked on every `make test`.
+"""Dependencies point one way in the whole checkout, and no module cycle hides anywhere: checked on every `make test`.
 
-The contracts live in pyproject.toml ([tool.importlinter]): api -> payments ->
-(idempotency, ledger, rails, outbox, db), workers beside api, nothing importing back
-up a layer, and no two sibling modules importing each other. A learner can
-then read the service from the top down, and a lower layer can be tested
-without the ones above it. This runs import-linter's own command, exactly as
-a developer would.
+The contracts live in pyproject.toml ([tool.importlinter]): across the
+checkout, (bench, demos) -> (devtools, naive_twin) -> app, with the fakes and
+the client SDK importing neither the service nor each other; inside the
+service, api -> payments -> (idempotency, ledger, rails, outbox, db), workers
+beside api; nothing importing back up a layer, and no two sibling modules
+importing each other in any package. A learner can then read the service
+from the top down, and a lower layer can be tested without the ones above
+it. This runs import-linter's own command, exactly as a developer would.
 """
 
 from __future__ import annotations

@@ -1,0 +1,131 @@
+"""Admin operations on the service's database: migrate it, create clients, set their webhooks, redeliver events.
+
+Off the request path: the library under the `payments` command's admin
+commands (app/cli.py, which only parses and prints) and under the development
+tooling that sets the system up (devtools/, bench/). Each call takes the
+database URL, opens an engine of its own, does its work in one transaction
+and disposes of the engine. Each runs its own event loop (asyncio.run): call
+them where no loop is running, or from a thread of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from app import clients
+from app.config import asyncpg_url
+from app.db.transaction import atomic, autocommit, read
+from app.idempotency import partitions
+from app.outbox import delivery, endpoints
+
+T = TypeVar("T")
+
+# The Alembic configuration at the root of the checkout; its script_location
+# (migrations/) is found relative to it.
+ALEMBIC_INI = Path(__file__).resolve().parent.parent / "alembic.ini"
+
+
+def on_database(url: str, work: Callable[[AsyncEngine], Awaitable[T]]) -> T:
+    """Run `work(engine)` against `url` with an engine of its own, disposed after."""
+
+    async def go() -> T:
+        engine = create_async_engine(asyncpg_url(url), hide_parameters=True)
+        try:
+            return await work(engine)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
+def migrate_database(url: str) -> list[str]:
+    """Bring the schema to the newest Alembic revision, and the key table's partitions a week ahead.
+
+    The partitions are part of a usable schema: a claim on a day with no
+    partition is refused (503), so a fresh database, or one whose worker has
+    not run for a while, gets today's and the coming days' here. Returns the
+    names of the partitions created.
+    """
+    from alembic import command
+    from alembic.config import Config
+
+    config = Config(str(ALEMBIC_INI))
+    config.attributes["database_url"] = url
+    command.upgrade(config, "head")
+    return on_database(url, lambda engine: autocommit(engine, partitions.ensure_ahead))
+
+
+def create_client(url: str, name: str, api_key: str | None = None) -> tuple[int, str]:
+    """A new client named `name` (names need not be unique) with `api_key`, else a new one: (its id, its key).
+
+    Only the key's hash is stored: the key returned is the one chance to see it.
+    """
+    api_key = api_key or clients.new_api_key()
+    client_id = on_database(url, lambda engine: atomic(engine, clients.create, name, api_key))
+    return client_id, api_key
+
+
+def client_of_key(url: str, api_key: str) -> int | None:
+    """The id of the client that `api_key` authenticates, or None."""
+    return on_database(url, lambda engine: read(engine, clients.authenticate, api_key))
+
+
+def set_webhook(
+    url: str, client_name: str, webhook_url: str | None, *, rotate_secret: bool = False
+) -> tuple[str, str | int | None]:
+    """Set (or with None remove) the webhook endpoint of the client named `client_name`.
+
+    Returns ("set", the signing secret if it is new, else None), ("removed",
+    how many pending deliveries were cancelled, None if there was no
+    endpoint) or ("no-client", None). Raises InvalidWebhookUrl before it
+    touches the database.
+    """
+    if webhook_url is not None:
+        endpoints.checked_url(webhook_url)
+
+    async def work(conn) -> tuple[str, str | int | None]:
+        client_id = await clients.by_name(conn, client_name)
+        if client_id is None:
+            return "no-client", None
+        if webhook_url is None:
+            return "removed", await endpoints.remove_endpoint(conn, client_id)
+        return "set", await endpoints.set_endpoint(conn, client_id, webhook_url, rotate_secret=rotate_secret)
+
+    return on_database(url, lambda engine: atomic(engine, work))
+
+
+def webhook_endpoint(url: str, client_name: str) -> tuple[str, str] | None:
+    """The (URL, signing secret) of the webhook endpoint of the client named `client_name`; None if it has none."""
+
+    async def work(conn) -> tuple[str, str] | None:
+        client_id = await clients.by_name(conn, client_name)
+        return None if client_id is None else await endpoints.get_endpoint(conn, client_id)
+
+    return on_database(url, lambda engine: read(engine, work))
+
+
+def redeliver_event(url: str, event_id: uuid.UUID) -> tuple[str, dict[str, Any] | None]:
+    """Deliver the event's webhook again, with a fresh retry schedule: (what happened, its delivery row).
+
+    "queued": made pending and due now; "pending": it already was (nothing
+    changed); "no-endpoint": its client has no webhook endpoint; "no-event":
+    no such event (the row is None).
+    """
+
+    async def work(conn) -> tuple[str, dict[str, Any] | None]:
+        found = await delivery.delivery(conn, event_id)
+        if found is None:
+            return "no-event", None
+        if found["endpoint_url"] is None:
+            return "no-endpoint", found
+        if not await delivery.redeliver(conn, event_id):
+            return "pending", found
+        return "queued", found
+
+    return on_database(url, lambda engine: atomic(engine, work))
