@@ -90,7 +90,7 @@ def settings(**overrides: Any) -> Settings:
 def services(psp: FakeSystem | None = None, rail: FakeSystem | None = None, **setting_overrides: Any) -> SimpleNamespace:
     """What the service and the runner use of `app.services.Services`; no engine (FakeDB ignores it)."""
     return SimpleNamespace(
-        settings=settings(**setting_overrides), engine=None, lookups=None,
+        settings=settings(**setting_overrides), engine=None,
         psp=psp or FakeSystem("psp"), rail=rail or FakeSystem("rail"),
     )
 
