@@ -94,12 +94,13 @@ class Settings(BaseSettings):
     # another replica resumes it at once instead of waiting out LEASE_SECONDS.
     shutdown_grace_seconds: float = Field(default=10.0, ge=0)
     # Answer retries of finished payments before the framework runs
-    # (app/api/replay_shortcut.py): the same answer as the route's, at a
-    # fraction of the CPU (docs/performance.md). false: the route answers them.
+    # (app/fastpath/replay_shortcut.py), an optimisation: the same answer as
+    # the route's, for less CPU (docs/reference/performance.md). false: the
+    # route answers them.
     replay_shortcut: bool = True
     db_pool_size: int = Field(default=20, ge=1)
-    # The caller lookup's own asyncpg pool (app/db/engine.py): one short read
-    # per POST, so a few connections serve thousands of requests a second.
+    # The replay shortcut's own asyncpg pool (app/fastpath/lookup_pool.py):
+    # one short read per POST, so a few connections serve many requests.
     db_lookup_pool_size: int = Field(default=4, ge=1)
 
     # After this many attempts whose outcome stayed unknown, an operation is

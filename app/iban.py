@@ -10,7 +10,8 @@ What "valid" means here is schwifty's IBAN check (ISO 13616 and the SWIFT
 IBAN registry): a country that has IBANs, that country's exact length, the
 BBAN's structure for that country (which positions are letters, which are
 digits), and the mod-97 check digits. A hand-written pattern plus the check
-digits let through a made-up country code and a 34-character German IBAN.
+digits would let through a made-up country code, or a German IBAN of the
+wrong length.
 Not checked: the national check digits inside the BBAN. They are known for
 some countries only (Germany alone has over a hundred bank-specific methods),
 and the rail is the authority on whether an account exists: a payout to a

@@ -3,7 +3,7 @@ rail clients once per process, and hands them to the routes."""
 
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 
 from fastapi import FastAPI
 from fastapi.telemetry import TelemetryConfig
@@ -14,11 +14,12 @@ from app.api.body_limit import BodyLimit
 from app.api.in_flight import InFlight, TrackInFlight
 from app.api.metrics import RequestMetrics
 from app.api.metrics import router as metrics_router
-from app.api.replay_shortcut import ReplayShortcut
 from app.api.rail_notifications import router as rail_router
 from app.api.routes import router
 from app.console import routes as console
 from app.config import Settings
+from app.fastpath import replay_shortcut
+from app.fastpath.lookup_pool import LookupPool
 from app.observability import metrics
 from app.problems import CATALOGUE
 from app.services import open_services
@@ -43,8 +44,8 @@ OPENAPI_TAGS = [
 
 # FastAPI looks for OpenTelemetry providers on every request (it reads the
 # environment each time); this service exports none, so the look is switched
-# off. It was about 2% of a replay's CPU (docs/reference/performance.md). The naive twin
-# and the fakes switch it off too, so every variant pays the same framework.
+# off. The naive twin and the fakes switch it off too, so every variant pays
+# the same framework.
 NO_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
 
 
@@ -52,10 +53,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
 
     in_flight = InFlight()
+    # The replay shortcut's own pool (app/fastpath/): no shortcut, no pool.
+    lookups = LookupPool(settings) if settings.replay_shortcut else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with open_services(settings) as services:
+        async with open_services(settings) as services, lookups or nullcontext():
             app.state.services = services
             try:
                 yield
@@ -83,13 +86,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # disabled (404) unless OPERATOR_TOKEN is set.
     console.install(app)
     app.include_router(rail_router)
-    if settings.replay_shortcut:
-        # An optimisation, not part of the idea: retries of finished payments
-        # are answered here, before routing, with the route's own read and
-        # decision (app/api/replay_shortcut.py); everything else passes
-        # through untouched. REPLAY_SHORTCUT=false leaves the route to answer
-        # them, with the same bytes.
-        app.add_middleware(ReplayShortcut)
+    if lookups is not None:
+        # An optimisation, not part of the idea (app/fastpath/): retries of
+        # finished payments answered before routing, with the same bytes.
+        replay_shortcut.install(app, lookups)
     # Then the body cap, outside the shortcut: a body over the cap is refused
     # (413) before the shortcut, FastAPI or authentication reads it
     # (app/api/body_limit.py).

@@ -10,11 +10,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import asyncpg
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import Settings
-from app.db.engine import build_engine, open_lookup_pool
+from app.db.engine import build_engine
 from app.rails.client import PSP, Rail
 from app.rails.transport import http_client
 
@@ -23,7 +22,6 @@ from app.rails.transport import http_client
 class Services:
     settings: Settings
     engine: AsyncEngine
-    lookups: asyncpg.Pool  # the caller lookup's (app/db/engine.py)
     psp: PSP
     rail: Rail
 
@@ -31,7 +29,6 @@ class Services:
 @asynccontextmanager
 async def open_services(settings: Settings) -> AsyncIterator[Services]:
     engine = build_engine(settings)
-    lookups = await open_lookup_pool(settings)
     try:
         # httpx's interface over aiohttp's connection handling, with each
         # error meaning what httpx says it means (app/rails/transport.py).
@@ -39,7 +36,6 @@ async def open_services(settings: Settings) -> AsyncIterator[Services]:
             yield Services(
                 settings=settings,
                 engine=engine,
-                lookups=lookups,
                 psp=PSP(http, settings.psp_url, settings.psp_timeout_seconds, settings.transient_retries),
                 rail=Rail(
                     http, settings.rail_url, settings.rail_timeout_seconds, settings.transient_retries,
@@ -47,5 +43,4 @@ async def open_services(settings: Settings) -> AsyncIterator[Services]:
                 ),
             )
     finally:
-        await lookups.close()
         await engine.dispose()

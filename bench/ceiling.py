@@ -14,10 +14,10 @@ phases), with stand-ins for the database engine, the PSP and the rail. The
 stand-in connection notes each statement the code issues and its parameters,
 and which function issued it; today that is
 
-    store.load_caller         who is asking, and what their key holds  (read)
-    phases.handler1           claim the key, create the payment        (write)
-    phases.record_charge      the charge's outcome, Handler2           (write)
-    phases.record_transfer    the transfer's outcome, Handler3         (write)
+    authentication.payment_caller  who is asking, and what their key holds  (read)
+    phases.handler1                claim the key, create the payment        (write)
+    phases.record_charge           the charge's outcome, Handler2           (write)
+    phases.record_transfer         the transfer's outcome, Handler3         (write)
 
 and the bench writes them out for pgbench, each on its own, without
 BEGIN/COMMIT, as the service runs them, and prepared (`-M prepared`) as
@@ -51,7 +51,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fastapi import Request
 from fastapi.security import HTTPAuthorizationCredentials
 
 from app.api.deps import payment_caller
@@ -67,7 +66,7 @@ from devtools.bodies import payment_body
 SCRIPT = RESULTS / "one_payment.pgbench"
 # SQLAlchemy's own pattern for `:name` bind parameters in text() (not `::type` casts).
 _BIND = re.compile(r"(?<![:\w\x5c]):(\w+)(?![:\w])")
-# asyncpg's own parameters ($1, $2, ...), in the caller lookup.
+# The driver's own parameters ($1, $2, ...), in the caller lookup.
 _POSITIONAL = re.compile(r"\$\d+\b")
 # pgbench would take `:name` anywhere, even inside a string literal, for a variable.
 _PGBENCH_VARIABLE = re.compile(r":[A-Za-z_]")
@@ -91,7 +90,7 @@ class Recorded:
     """One statement the request path issued: its parameters, who issued it, what it was told."""
 
     sql: str
-    params: dict[str, Any]  # by name (:name), or by position ($1) for asyncpg's own statements
+    params: dict[str, Any]  # by name (:name), or by position ($1) for statements written for the driver
     issuer: str
     answer: dict[str, Any] | None
 
@@ -107,10 +106,7 @@ class _Recorder:
         self.answers = answers
         self.recorded: list[Recorded] = []
 
-    # The engine: `execution_options(...).connect()` and `begin()` give back the recorder itself.
-    def execution_options(self, **_: Any) -> _Recorder:
-        return self
-
+    # The engine: `connect()` and `begin()` give back the recorder itself.
     def connect(self) -> _Recorder:
         return self
 
@@ -124,12 +120,15 @@ class _Recorder:
         return None
 
     # The connection.
+    async def execution_options(self, **_: Any) -> _Recorder:
+        return self
+
     async def execute(self, statement: Any, params: dict[str, Any]) -> _Result:
         return _Result(self._note(statement.text, dict(params)))
 
-    # The caller lookup's asyncpg pool: positional parameters, $1 and up.
-    async def fetchrow(self, sql: str, *args: Any) -> dict[str, Any] | None:
-        return self._note(sql, {f"${n}": value for n, value in enumerate(args, 1)})
+    # A statement written for the driver: positional parameters, $1 and up.
+    async def exec_driver_sql(self, sql: str, args: tuple[Any, ...]) -> _Result:
+        return _Result(self._note(sql, {f"${n}": value for n, value in enumerate(args, 1)}))
 
     def _note(self, sql: str, params: dict[str, Any]) -> dict[str, Any] | None:
         if len(self.recorded) == len(self.answers):
@@ -200,11 +199,11 @@ async def record_one_payment(api_key: str, client_id: int) -> list[Recorded]:
     ])
     engine: Any = recorder
     rails: Any = _Rail()
-    services = Services(Settings(database_url="postgresql://recorder/none"), engine, engine, rails, rails)
+    services = Services(Settings(database_url="postgresql://recorder/none"), engine, rails, rails)
     credentials = HTTPAuthorizationCredentials(scheme="Bearer", credentials=api_key)
     # The lookup's key stays the literal 'pgbench-key': no payment claims it, so
     # every lookup finds the client and no key row, as for any new payment.
-    caller = await payment_caller(Request({"type": "http"}), services, credentials, "pgbench-key")
+    caller = await payment_caller(services, credentials, "pgbench-key")
     reply = await submit_payment(services, caller.client_id, caller.key, request, row=caller.row)
     if getattr(reply.outcome, "status_code", None) != 201 or len(recorder.recorded) != len(recorder.answers):
         raise RecordingFailed(

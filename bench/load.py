@@ -14,7 +14,7 @@ read.
 A session's first run (the warm-up) starts its clients 10 ms apart, so their
 keep-alive connections arrive one by one, as real clients' do. Opened in one
 burst, they often all land on whichever of uvicorn's workers woke first (the
-workers share one listening socket; a 100/0 split was seen), and `--workers 2`
+workers share one listening socket), and `--workers 2`
 is then measured as one busy worker and one idle one for the whole run; the bench
 reports how the API's CPU was split between its workers, so a skew shows.
 

@@ -4,9 +4,10 @@
 count, and judges the outbox's target by it. Its rounds one after the other
 (the `webhooks` variant, then the phased service without) cannot tell the
 outbox's cost from the machine's: on two CPUs shared by everything, the fake
-merchant's work (a real merchant's machine's, about as much again as the
-dispatcher's) slows every process of the webhooks run, the service's
-included, and the runs drift by 5-15% between themselves.
+merchant's work (a real merchant's machine's) slows every process of the
+webhooks run, the service's included, and the runs drift between themselves
+by more than the target allows
+(docs/reference/performance.md#judged-side-by-side-met-runs-7-and-8).
 
 Here the two APIs of the bench that serve the phased service with the same
 settings run at once, each with half of the clients: one for the client with

@@ -5,7 +5,7 @@ so a saved result can be printed again (`python -m bench.report FILE`).
 
 Rates are the mean over rounds, with the min-max over rounds beside them: the
 run-to-run spread, which says how much a difference between two figures can
-be trusted (PERFORMANCE.md: under 1.3x is noise across separate runs; the
+be trusted (docs/reference/performance.md: separate runs drift apart; the
 variants here are measured in alternation, which is why their ratio is the
 figure to quote). Latency percentiles are over all rounds' requests pooled.
 Costs per payment are totals over all rounds divided by all payments.

@@ -4,8 +4,8 @@ The phased service (`payments api`) and its naive twin (`naive-twin`,
 the same five steps with no keys, no phases, no fencing) run side by side on
 this machine, against the same PostgreSQL, fake PSP and fake rail. The bench
 drives each in turn with the same load and prints ratios, because only
-ratios measured in one run mean anything: runs of one configuration differ by
-15-25% from one minute to the next (docs/reference/performance.md), and a figure
+ratios measured in one run mean anything: runs of one configuration drift
+from one minute to the next (docs/reference/performance.md), and a figure
 from another machine or another day is not comparable at all.
 
 The figures, and why each matters (the ones with targets are in the "targets" table):

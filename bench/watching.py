@@ -1,11 +1,11 @@
-"""What watching costs a replay, to about 1%: the watched and unwatched APIs on one CPU, at the same time.
+"""What watching costs a replay: the watched and unwatched APIs on one CPU, at the same time.
 
     .venv/bin/python -m bench.watching [--rounds 10] [--seconds 5] [--new-payments 0]
 
-Runs one after the other, as `make bench`'s rounds are, move by 5% to 15%
-between runs of the same code on a 2-CPU virtual machine (a CPU that is
-slower for a while slows whichever variant runs then): more than the 5% the
-target allows for watching. `side_by_side` removes most of that noise. It
+Runs one after the other, as `make bench`'s rounds are, move between runs
+of the same code on a 2-CPU virtual machine (a CPU that is slower for a
+while slows whichever variant runs then) by more than the 5% the target
+allows for watching (docs/reference/performance.md#the-cost-of-watching). `side_by_side` removes most of that noise. It
 pins the API processes to the machine's last CPU and everything else of the
 run (PostgreSQL, the fakes, the load generator) to the others, and replays
 finished payments against all of them at once, each with its own clients.

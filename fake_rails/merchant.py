@@ -161,7 +161,8 @@ def create_app(database_url: str, secrets: list[str] | None = None) -> FastAPI:
 
     # The secrets set over /_admin/secrets, read on first use and again by
     # the admin call that changes them: this process is their only writer,
-    # and a query per webhook was a third of what it asked of its database.
+    # and a query per webhook would be a good part of what it asks of its
+    # database.
     app.state.secrets = None
 
     async def load_secrets() -> list[str]:

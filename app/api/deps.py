@@ -9,17 +9,13 @@ refusal happens before anything is stored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from fastapi.security.utils import get_authorization_scheme_param
 
-from app import clients
-from app.db.transaction import read
-from app.idempotency import store as keys
-from app.idempotency.store import KeyRow
+from app import authentication
+from app.authentication import PaymentCaller
 from app.idempotency.keys import MAX_KEY_LENGTH, InvalidIdempotencyKey, parse_idempotency_key
 from app.services import Services
 from app.problems import IDEMPOTENCY_KEY_INVALID, IDEMPOTENCY_KEY_MISSING, UNAUTHENTICATED, ProblemError
@@ -43,29 +39,24 @@ async def get_services(request: Request) -> Services:
     return request.app.state.services
 
 
-MAX_API_KEY_LENGTH = 200  # ours are 43; refusing longer ones early keeps hashing cheap
+ServicesDep = Annotated[Services, Depends(get_services)]
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+RawKey = Annotated[str | None, _KEY_HEADER]
 
 
-def bearer_api_key(authorization: str | None) -> str | None:
-    """The API key in an `Authorization` header's value, or None.
-
-    Parsed by the function FastAPI's HTTPBearer uses (the scheme "Bearer" in
-    any case, the key after the first space, stripped), for the replay
-    shortcut, which runs before FastAPI does.
-    """
-    scheme, api_key = get_authorization_scheme_param(authorization)
-    return _usable(api_key) if scheme.lower() == "bearer" else None
+MAX_API_KEY_LENGTH = 200  # well above ours (app/clients.py::new_api_key); refusing longer ones early keeps hashing cheap
 
 
-def _api_key(credentials: HTTPAuthorizationCredentials | None) -> str | None:
-    return _usable(credentials.credentials) if credentials else None
+def usable_api_key(api_key: str | None) -> str | None:
+    """The API key as sent, if it can be one at all (not empty, not absurdly long)."""
+    return api_key if api_key and len(api_key) <= MAX_API_KEY_LENGTH else None
 
 
-def _usable(api_key: str) -> str | None:
-    return api_key if 0 < len(api_key) <= MAX_API_KEY_LENGTH else None
+def api_key_of(credentials: HTTPAuthorizationCredentials | None) -> str | None:
+    return usable_api_key(credentials.credentials) if credentials else None
 
 
-def _unauthenticated() -> ProblemError:
+def unauthenticated() -> ProblemError:
     return ProblemError(
         UNAUTHENTICATED,
         "send Authorization: Bearer <api key>",
@@ -73,81 +64,31 @@ def _unauthenticated() -> ProblemError:
     )
 
 
-async def authenticated_client(
-    services: Annotated[Services, Depends(get_services)],
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> int:
+async def authenticated_client(services: ServicesDep, credentials: Credentials) -> int:
     """The caller's client id; 401 (and nothing stored) if the API key is missing or unknown."""
-    api_key = _api_key(credentials)
-    client_id = api_key and await read(services.engine, clients.authenticate, api_key)
+    api_key = api_key_of(credentials)
+    client_id = api_key and await authentication.client_id(services, api_key)
     if not client_id:
-        raise _unauthenticated()
+        raise unauthenticated()
     return client_id
 
 
-@dataclass(frozen=True)
-class PaymentCaller:
-    """Who sent a POST /v1/payments, under which key, and what that key already holds."""
-
-    client_id: int
-    key: str
-    row: KeyRow | None
-
-
-async def payment_caller(
-    request: Request,
-    services: Annotated[Services, Depends(get_services)],
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-    raw_key: Annotated[str | None, _KEY_HEADER] = None,
-) -> PaymentCaller:
+async def payment_caller(services: ServicesDep, credentials: Credentials, raw_key: RawKey = None) -> PaymentCaller:
     """Authenticate and read the key's row in one query (401, then 400, as for any request).
 
     The same answers as `authenticated_client` followed by `idempotency_key`,
-    in one round trip: a retry of a finished payment needs nothing else. The
-    replay shortcut has usually made that read already and handed it over.
+    in one round trip: a retry of a finished payment needs nothing else.
     """
     try:
         key = idempotency_key(raw_key)
     except ProblemError:
         await authenticated_client(services, credentials)  # who is asking comes first (401)
         raise
-    api_key = _api_key(credentials)
-    if not api_key:
-        raise _unauthenticated()
-    found = (_handed_over(request, api_key, key) or await look_up(services, api_key, key)).caller
-    if found is None:
-        raise _unauthenticated()
-    return PaymentCaller(found.client_id, key, found.row)
-
-
-@dataclass(frozen=True)
-class Lookup:
-    """The caller lookup for one request: which API key and key were looked up, and what was found."""
-
-    api_key: str
-    key: str
-    caller: keys.Caller | None  # None: no client has this API key
-
-
-async def look_up(services: Services, api_key: str, key: str) -> Lookup:
-    """The caller lookup: one read (`store.load_caller`), kept with the API key and key it was made for."""
-    return Lookup(api_key, key, await keys.load_caller(services.lookups, clients.hash_api_key(api_key), key))
-
-
-# The replay shortcut (app/api/replay_shortcut.py) makes the caller lookup
-# before FastAPI runs. When it cannot answer the request itself, it leaves
-# what it read in the request's state, so the read is not made twice.
-_LOOKUP = "caller_lookup"
-
-
-def hand_over(scope: dict, lookup: Lookup) -> None:
-    scope.setdefault("state", {})[_LOOKUP] = lookup
-
-
-def _handed_over(request: Request, api_key: str, key: str) -> Lookup | None:
-    lookup = request.scope.get("state", {}).get(_LOOKUP)
-    # Used only for the very API key and key this request carries.
-    return lookup if lookup is not None and (lookup.api_key, lookup.key) == (api_key, key) else None
+    api_key = api_key_of(credentials)
+    caller = api_key and await authentication.payment_caller(services, api_key, key)
+    if not caller:
+        raise unauthenticated()
+    return caller
 
 
 def idempotency_key(raw: str | None) -> str:
@@ -159,6 +100,5 @@ def idempotency_key(raw: str | None) -> str:
         raise ProblemError(IDEMPOTENCY_KEY_INVALID, str(exc)) from None
 
 
-ServicesDep = Annotated[Services, Depends(get_services)]
 ClientId = Annotated[int, Depends(authenticated_client)]
 Caller = Annotated[PaymentCaller, Depends(payment_caller)]

@@ -13,7 +13,7 @@ driver's and SQLAlchemy's exception types run in Starlette's
 ExceptionMiddleware, which sits *inside* every middleware added with
 `app.add_middleware`. The replay shortcut is such a middleware and reads the
 database before routing, so an outage there never reaches these handlers; it
-answers with `unavailable_response` itself (app/api/replay_shortcut.py). The
+answers with `unavailable_response` itself (app/fastpath/replay_shortcut.py). The
 `Exception` handler, which Starlette runs outermost (ServerErrorMiddleware),
 consults the classifier too, so nothing that says "database unreachable"
 ends as a 500 wherever it was raised.
@@ -43,10 +43,8 @@ log = logging.getLogger(__name__)
 PROBLEM_JSON = "application/problem+json"
 
 # A body with thousands of unknown fields has thousands of errors; listing
-# them all would make the answer many times bigger than the request (the
-# 1,500 unknown fields that fit in a 16 KiB body make some 150 KB of JSON).
-# The first few say what is wrong; `errors_omitted` says how many more there
-# were.
+# them all would make the answer many times bigger than the request. The
+# first few say what is wrong; `errors_omitted` says how many more there were.
 MAX_LISTED_ERRORS = 20
 
 

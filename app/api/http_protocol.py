@@ -7,9 +7,8 @@ place that sees a request before its headers are complete, and the only
 place that can bound them.
 
 uvicorn parses HTTP with httptools when it is installed (it is, through
-`uvicorn[standard]`), and httptools keeps a header however long it is: a
-single 50 MB header was read into memory and answered 200. h11, uvicorn's
-other parser, is bounded (`h11_max_incomplete_event_size`) but costs more
+`uvicorn[standard]`), and httptools keeps a header however long it is, in
+memory, and hands the request on. h11, uvicorn's other parser, is bounded (`h11_max_incomplete_event_size`) but costs more
 CPU per request than httptools, on every request. And neither parser has a
 deadline: a client that opens a connection and sends its headers a byte at a
 time (or nothing at all) holds the connection and its memory for as long as

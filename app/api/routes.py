@@ -92,7 +92,7 @@ async def create_payment(services: ServicesDep, caller: Caller, body: PaymentReq
 def final_response(outcome: Finished, *, replayed: bool) -> Response:
     """A payment's final response; a replay is the stored body, byte for byte, plus one header.
 
-    The replay shortcut (app/api/replay_shortcut.py) sends replays through this
+    The replay shortcut (app/fastpath/replay_shortcut.py) sends replays through this
     too, so a replay is the same bytes whichever way it was answered.
     """
     headers = {"Idempotent-Replayed": "true"} if replayed else None

@@ -1,31 +1,23 @@
-"""The database handles a process builds once: SQLAlchemy's engine, and a small asyncpg pool.
+"""The database handle a process builds once: SQLAlchemy's engine, asyncpg underneath.
 
-Everything the service writes, and every read but one, goes through the
-SQLAlchemy engine (asyncpg underneath) and `app.db.transaction`. The one
-exception is the read that starts every `POST /v1/payments`: who is asking,
-and what they stored under this key (`app.idempotency.store.load_caller`).
-A retry of a finished payment is answered from that read alone, so its cost
-is the cost of a replay; run on asyncpg directly it takes well under half the
-CPU that SQLAlchemy's execution machinery adds around it
-(docs/reference/performance.md). It is a single SELECT: no transaction, nothing to
-commit, and the connection is back in the pool when it returns.
+Everything the service reads and writes goes through it and
+`app.db.transaction`, which lends its connections out one phase at a time.
+(The replay shortcut's one read has a small pool of its own, behind the
+door of optimisations: app/fastpath/lookup_pool.py.)
 """
 
 from __future__ import annotations
 
-import json
-
-import asyncpg
 from sqlalchemy import text
 from sqlalchemy import event
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from app.config import Settings, libpq_url
+from app.config import Settings
 
 # Leases are compared with now() on the server, never with this process's
 # clock; UTC keeps the timestamps we print unambiguous.
-_SERVER_SETTINGS = {"timezone": "UTC"}
+SERVER_SETTINGS = {"timezone": "UTC"}
 
 
 def build_engine(settings: Settings) -> AsyncEngine:
@@ -40,7 +32,7 @@ def build_engine(settings: Settings) -> AsyncEngine:
         # No ping per checkout (a round trip on every phase); a connection the
         # server closed is replaced at checkout instead, below.
         pool_pre_ping=False,
-        connect_args={"server_settings": _SERVER_SETTINGS},
+        connect_args={"server_settings": SERVER_SETTINGS},
     )
     event.listen(engine.sync_engine, "checkout", _replace_if_closed)
     return engine
@@ -58,36 +50,6 @@ def _replace_if_closed(dbapi_connection, connection_record, connection_proxy) ->
     """
     if dbapi_connection.driver_connection.is_closed():
         raise DisconnectionError("the server closed this pooled connection while it was idle")
-
-
-async def open_lookup_pool(settings: Settings) -> asyncpg.Pool:
-    """The pool for the caller lookup. Connections open on first use, so a process
-    that never serves a payment (the recovery worker) never opens one."""
-    return await asyncpg.create_pool(
-        libpq_url(settings.database_url),
-        min_size=0,
-        max_size=settings.db_lookup_pool_size,
-        server_settings=_SERVER_SETTINGS,
-        init=_decode_jsonb,
-        reset=_nothing_to_reset,
-    )
-
-
-async def _decode_jsonb(conn: asyncpg.Connection) -> None:
-    # SQLAlchemy's dialect decodes jsonb into Python values; so must this pool,
-    # so that a row read either way is the same row (the key's timeline).
-    await conn.set_type_codec("jsonb", schema="pg_catalog", encoder=json.dumps, decoder=json.loads)
-
-
-async def _nothing_to_reset(conn: asyncpg.Connection) -> None:
-    """Skip asyncpg's reset query when a connection goes back to the pool.
-
-    By default every release sends `SELECT pg_advisory_unlock_all(); CLOSE ALL;
-    UNLISTEN *; RESET ALL`: a second round trip, and a second transaction, for
-    each lookup. The lookup is one SELECT: it takes no lock, opens no cursor,
-    listens to nothing and sets nothing, so there is nothing to reset. (asyncpg
-    still rolls back a transaction left open, before calling this.)
-    """
 
 
 async def ping(conn: AsyncConnection) -> None:

@@ -15,7 +15,6 @@ the rail: that is rule 3 of the design, enforced here by construction.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Awaitable, Callable
 from typing import Concatenate, ParamSpec, TypeVar
 
@@ -23,19 +22,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 P = ParamSpec("P")
 T = TypeVar("T")
-
-# Each engine's AUTOCOMMIT twin (the same pool), made once: building one with
-# `execution_options` copies the engine's event listeners and costs some
-# 140 us of CPU, about as much as the statement it would run, on every lone
-# statement of every phase, claim and record.
-_AUTOCOMMIT: weakref.WeakKeyDictionary[AsyncEngine, AsyncEngine] = weakref.WeakKeyDictionary()
-
-
-def _autocommitting(engine: AsyncEngine) -> AsyncEngine:
-    twin = _AUTOCOMMIT.get(engine)
-    if twin is None:
-        twin = _AUTOCOMMIT[engine] = engine.execution_options(isolation_level="AUTOCOMMIT")
-    return twin
 
 
 async def atomic(
@@ -66,7 +52,11 @@ async def one_statement(
     commit separately. (It may read afterwards, as handler1 does to name the
     payment that already holds a reference.)
     """
-    async with _autocommitting(engine).connect() as conn:
+    async with engine.connect() as conn:
+        # Set on this connection, and undone when it goes back to the pool.
+        # (`engine.execution_options(...)` would build a new engine, copying
+        # its event listeners, on every call.)
+        await conn.execution_options(isolation_level="AUTOCOMMIT")
         return await phase(conn, *args, **kwargs)
 
 

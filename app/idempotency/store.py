@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import asyncpg
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -64,14 +63,6 @@ class KeyRow:
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
-
-
-@dataclass(frozen=True)
-class Caller:
-    """An authenticated client, and what it stored under the key it sent (None: nothing yet)."""
-
-    client_id: int
-    row: KeyRow | None
 
 
 _COLUMNS = """
@@ -320,19 +311,6 @@ _PARKED_DUE = text(
 async def load(conn: AsyncConnection, client_id: int, key: str) -> KeyRow | None:
     row = (await conn.execute(_LOAD, dict(client_id=client_id, key=key))).mappings().one_or_none()
     return None if row is None else KeyRow(**row)
-
-
-async def load_caller(pool: asyncpg.Pool, api_key_hash: bytes, key: str) -> Caller | None:
-    """Who holds this API key, and their row for `key`; None if no client does.
-
-    One SELECT on the lookup pool, outside any transaction (app/db/engine.py).
-    """
-    row = await pool.fetchrow(CALLER_SQL, api_key_hash, key)
-    if row is None:
-        return None
-    if row["key"] is None:
-        return Caller(row["caller_id"], None)
-    return Caller(row["caller_id"], KeyRow(**{k: v for k, v in row.items() if k != "caller_id"}))
 
 
 async def take_over(

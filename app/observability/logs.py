@@ -34,10 +34,12 @@ tests/integration/test_no_secrets_in_logs.py greps every line the processes
 write while payments with distinctive values succeed, fail, park and meet a
 rail's errors.
 
-A line costs a few tens of microseconds of CPU, so the hot path logs little
-at INFO: one line per finished payment, and the exceptional transitions
-(released, taken over, parked); each phase, external call and replay is a
-DEBUG line, which costs a level check when it is off (docs/operations.md).
+A line costs CPU on every request that writes it (measured in
+docs/reference/performance.md#the-cost-of-watching), so the hot path logs
+little at INFO: one line per finished payment, and the exceptional
+transitions (released, taken over, parked); each phase, external call and
+replay is a DEBUG line, which costs a level check when it is off
+(docs/operations.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Every Prometheus metric the service exports, defined once, here.
 
 Where it sits: a leaf below every layer. The API counts requests, problems
-and replays (app/api/metrics.py, app/api/replay_shortcut.py); the engine
+and replays (app/api/metrics.py, app/fastpath/replay_shortcut.py); the engine
 counts new and finished payments, takeovers, releases and parks
 (app/machine/engine.py); the rail clients time every exchange with the PSP
 and the rail (app/rails/client.py); the worker reports its sweeps, its
@@ -25,14 +25,14 @@ it is first imported, so nothing may import this module earlier. The worker
 (`payments worker`) is one process: it keeps its values in memory and serves
 them on a port of its own (`serve`).
 
-The cost on the hot path is kept small (docs/reference/performance.md).
-A label set used on every request is resolved once (`child`, and the
-precomputed children below). And what every request records, its timing and
-a replay's count, is added up in this process first (`Batched`,
-`BatchedCounter`) and written to prometheus_client at most once a second
-(`flush`): in the multiprocess files a write is a locked store to a mapped
-page, and three of them per replay cost about 3% of its CPU in the running
-server, where they miss the caches the rest of the request has filled. A
+The cost on the hot path is kept small
+(docs/reference/performance.md#the-cost-of-watching). A label set used on
+every request is resolved once (`child`, and the precomputed children
+below). And what every request records, its timing and a replay's count, is
+added up in this process first (`Batched`, `BatchedCounter`) and written to
+prometheus_client at most once a second (`flush`): in the multiprocess files
+a write is a locked store to a mapped page, which in the running server
+misses the caches the rest of the request has filled. A
 scrape sees what its own process counted up to the moment it is answered,
 and the other processes' counts up to their last flush, so at most a second
 old; a process that stops flushes first, and one killed outright loses at

@@ -1,8 +1,8 @@
 """The HTTP client the PSP and rail clients share, and what its errors mean.
 
 We speak httpx's interface over aiohttp's connection handling (httpx's own
-transport cost most of the API's CPU, docs/reference/performance.md). The adapter that
-joins them maps aiohttp's exceptions onto httpx's, but it maps a refused
+transport costs far more CPU per call: docs/reference/performance.md). The
+adapter that joins them maps aiohttp's exceptions onto httpx's, but it maps a refused
 connection to `httpx.ConnectTimeout`, and lets an answer that is not HTTP at
 all escape as aiohttp's own `ClientResponseError`. Both matter for money:
 

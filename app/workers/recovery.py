@@ -142,8 +142,8 @@ async def recovery_loop(services: Services, stop: asyncio.Event) -> None:
         try:
             counts = sweep.result()
         except Exception as exc:
-            # Before this, one failed read ended the loop, and with it the
-            # worker process: a database restart stopped all recovery.
+            # A failed read must not end the loop, and with it the worker
+            # process: a database restart would stop all recovery.
             metrics.worker().sweeps.labels("failed").inc()
             failures += 1
             wait = outage_backoff(failures, settings.worker_poll_seconds)

@@ -58,10 +58,11 @@ class Recorder:
     meanwhile queue up and go in the next. And when an attempt finishes
     while others are still in flight (a claim leases a batch, and their
     POSTs end within milliseconds of each other), it waits up to
-    RECORD_LINGER_SECONDS for them: one statement then records most of a
-    claim's batch instead of a quarter of it (`python -m bench.webhook_cpu`
-    counted 4.7 attempts per record without the wait). At a trickle, with
-    nothing else in flight, an attempt is recorded at once, alone.
+    RECORD_LINGER_SECONDS for them, so that one statement records most of a
+    claim's batch instead of a few of its attempts (measured in
+    docs/reference/performance.md#judged-side-by-side-met-runs-7-and-8). At
+    a trickle, with nothing else in flight, an attempt is recorded at once,
+    alone.
     """
 
     def __init__(self, services: Services, in_flight: Callable[[], int]) -> None:

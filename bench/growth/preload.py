@@ -306,7 +306,7 @@ async def load(url: str, clients: list[int], lo: int, hi: int, start: datetime, 
     --disable-triggers does (session_replication_role = replica, which needs
     a superuser; without one they run, and the load is slower): every row
     is made with its payment in the same statement and for a client that
-    exists, and the checks took a third of the load's time. Nothing else the
+    exists, so the checks would only slow the load. Nothing else the
     tables enforce is skipped: primary keys, unique indexes and CHECKs all apply.
     """
     step_us = (end - start).total_seconds() * 1e6 / max(1, hi - lo)

@@ -18,8 +18,9 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from app import clients
 from app.db.errors import loggable
 from app.config import Settings
-from app.db.engine import build_engine, open_lookup_pool
+from app.db.engine import build_engine
 from app.db.transaction import atomic
+from app.fastpath.lookup_pool import LookupPool
 
 
 async def test_a_database_error_from_the_engine_does_not_carry_the_statements_parameters(database_url):
@@ -58,13 +59,10 @@ async def test_a_constraint_violation_is_logged_without_the_row_postgresql_quote
 
 
 async def test_a_database_error_on_the_lookup_pool_does_not_carry_its_arguments(database_url):
-    pool = await open_lookup_pool(Settings(database_url=database_url))
     secret = f"tok_{uuid.uuid4().hex}"
-    try:
+    async with LookupPool(Settings(database_url=database_url)) as lookups:
         with pytest.raises(Exception) as raised:  # asyncpg's own error, with no SQLAlchemy around it
-            await pool.fetchval("SELECT $1::text || (1 / 0)::text", secret)
-    finally:
-        await pool.close()
+            await lookups.pool.fetchval("SELECT $1::text || (1 / 0)::text", secret)
 
     logged = "".join(traceback.format_exception(raised.value))
     assert "division by zero" in logged

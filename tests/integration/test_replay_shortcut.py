@@ -1,4 +1,4 @@
-"""The replay shortcut (app/api/replay_shortcut.py): it answers only what it is sure of.
+"""The replay shortcut (app/fastpath/replay_shortcut.py): it answers only what it is sure of.
 
 Two halves. Over HTTP, against the real API processes: a replay is the same
 bytes whether the shortcut or the full path answers it. In process, against
@@ -19,10 +19,19 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
+from fastapi.security import HTTPAuthorizationCredentials
+
 from app.api import deps
-from app.api.replay_shortcut import ReplayShortcut
+from app.authentication import PaymentCaller
 from app.config import Settings
-from app.db.engine import open_lookup_pool
+from app.fastpath.lookup_pool import Lookup, LookupPool
+from app.fastpath.replay_shortcut import (
+    ReplayShortcut,
+    bearer_api_key,
+    handed_over,
+    payment_caller_handed_over,
+)
+from app.problems import ProblemError
 from tests.support import charges, headers, key_row, payment_body, transfers
 
 pytestmark = pytest.mark.usefixtures("stack")
@@ -83,11 +92,10 @@ class _Rest:
 
 @pytest.fixture
 async def shortcut(database_url):
-    pool = await open_lookup_pool(Settings(database_url=database_url))
     rest = _Rest()
-    app = SimpleNamespace(state=SimpleNamespace(services=SimpleNamespace(lookups=pool)))
-    yield ReplayShortcut(rest), rest, app
-    await pool.close()
+    app = SimpleNamespace(state=SimpleNamespace())
+    async with LookupPool(Settings(database_url=database_url)) as lookups:
+        yield ReplayShortcut(rest, lookups), rest, app
 
 
 async def _call(shortcut, body: bytes, header_list: list[tuple[str, str]], *, method="POST",
@@ -199,13 +207,31 @@ async def test_anything_it_is_not_sure_of_goes_on_untouched(shortcut, acme, fini
 
 
 def test_a_lookup_handed_over_is_used_only_for_the_same_api_key_and_key():
-    lookup = deps.Lookup("api-key", "key-1", None)
+    lookup = Lookup("api-key", "key-1", None)
     request = Request({"type": "http", "state": {"caller_lookup": lookup}})
 
-    assert deps._handed_over(request, "api-key", "key-1") is lookup
-    assert deps._handed_over(request, "api-key", "key-2") is None
-    assert deps._handed_over(request, "other-api-key", "key-1") is None
-    assert deps._handed_over(Request({"type": "http"}), "api-key", "key-1") is None
+    assert handed_over(request, "api-key", "key-1") is lookup
+    assert handed_over(request, "api-key", '"key-1"') is lookup  # the same key, quoted
+    assert handed_over(request, "api-key", "key-2") is None
+    assert handed_over(request, "api-key", "white space") is None
+    assert handed_over(request, "api-key", None) is None
+    assert handed_over(request, "other-api-key", "key-1") is None
+    assert handed_over(request, None, "key-1") is None
+    assert handed_over(Request({"type": "http"}), "api-key", "key-1") is None
+
+
+async def test_the_full_path_takes_the_handed_over_lookup_instead_of_reading_again():
+    """Catches: a hand-over that is made but never used, which would cost every new payment a second read."""
+    caller = PaymentCaller(7, "key-1", None)
+    request = Request({"type": "http", "state": {"caller_lookup": Lookup("api-key", "key-1", caller)}})
+    credentials = HTTPAuthorizationCredentials(scheme="Bearer", credentials="api-key")
+
+    # No services: a read would fail.
+    assert await payment_caller_handed_over(request, None, credentials, "key-1") is caller
+    unknown = Request({"type": "http", "state": {"caller_lookup": Lookup("api-key", "key-1", None)}})
+    with pytest.raises(ProblemError) as refused:
+        await payment_caller_handed_over(unknown, None, credentials, "key-1")
+    assert refused.value.problem.status == 401
 
 
 @pytest.mark.parametrize(
@@ -217,7 +243,7 @@ async def test_the_shortcut_reads_the_api_key_exactly_as_the_route_does(authoriz
     raw = [] if authorization is None else [(b"authorization", authorization.encode())]
     credentials = await deps._bearer(Request({"type": "http", "headers": raw}))
 
-    assert deps.bearer_api_key(authorization) == deps._api_key(credentials)
+    assert bearer_api_key(authorization) == deps.api_key_of(credentials)
 
 
 def test_replay_shortcut_false_leaves_replays_to_the_route(database_url):
@@ -228,12 +254,12 @@ def test_replay_shortcut_false_leaves_replays_to_the_route(database_url):
     """
     from app.main import create_app
 
-    def middleware(shortcut: bool) -> list[type]:
-        app = create_app(Settings(database_url=database_url, replay_shortcut=shortcut))
-        return [m.cls for m in app.user_middleware]
+    on, off = (create_app(Settings(database_url=database_url, replay_shortcut=s)) for s in (True, False))
 
-    assert ReplayShortcut in middleware(True)
-    assert ReplayShortcut not in middleware(False)
+    assert ReplayShortcut in [m.cls for m in on.user_middleware]
+    assert on.dependency_overrides == {deps.payment_caller: payment_caller_handed_over}
+    assert ReplayShortcut not in [m.cls for m in off.user_middleware]
+    assert off.dependency_overrides == {}
 
 
 def test_the_stacks_second_api_answers_replays_through_the_route(stack):

@@ -91,7 +91,7 @@ def settings(**overrides: Any) -> Settings:
 def services(psp: FakeSystem | None = None, rail: FakeSystem | None = None, **setting_overrides: Any) -> SimpleNamespace:
     """What the matrix and the engine use of `app.services.Services`; no database engine (FakeDB ignores it)."""
     return SimpleNamespace(
-        settings=settings(**setting_overrides), engine=None, lookups=None,
+        settings=settings(**setting_overrides), engine=None,
         psp=psp or FakeSystem("psp"), rail=rail or FakeSystem("rail"),
     )
 

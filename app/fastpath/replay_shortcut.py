@@ -1,42 +1,11 @@
-"""The replay shortcut: a retry of a finished payment, answered before the framework runs.
+"""The replay shortcut: a retry of a finished payment, answered before FastAPI runs.
 
-Where it sits on a request's path: it is the second of our code that every
-request meets (an ASGI middleware around the routes, just inside the body
-cap of app/api/body_limit.py), and it looks only at `POST /v1/payments`. A
-retry of a payment that has finished is the request this service sees most
-when things go wrong (clients retry when they are slow to hear back), and it
-needs no decision: one read, then the stored response, byte for byte. So it
-is answered here, with the same read and the same rules as the full path, at
-well under half the CPU of going through FastAPI's routing, dependency
-solving and SQLAlchemy (docs/reference/performance.md).
-
-The rule that keeps it safe: the shortcut answers only when it is sure, and
-hands everything else, untouched, to the full path.
-
-    POST /v1/payments with a usable Authorization and Idempotency-Key,
-    a JSON body that validates as a PaymentRequest, whose client has a
-    finished key with the same fingerprint   -> the stored response (here)
-    anything else: another route, a header missing or malformed, a body
-    that is not a valid request, an unknown API key, a new key, a key in
-    flight, parked or first used for another request -> the full path
-
-"Sure" means the very checks the full path makes, by the same functions:
-the API key is read from the header as HTTPBearer reads it, the key is parsed
-by `parse_idempotency_key`, the body is parsed with `json.loads` and validated
-by the same model as FastAPI does (so it yields the same fingerprint), and
-`service.stored_response` decides. A request that would be refused (401, 400,
-422) is never answered here, so the order of those refusals is the full
-path's. The shortcut writes nothing. When it hands a request on, it leaves
-its read behind (`deps.hand_over`), so a new payment still costs one read.
-It counts each replay it answers (`payments_replays_total`, answered_by
-shortcut) and logs nothing: a line per replay would cost a good part of
-what the shortcut saves (docs/operations.md#what-watching-costs).
-
-One answer is its own: when its read cannot reach the database, it answers
-503 `service-unavailable` here. It runs outside Starlette's
-ExceptionMiddleware (every `add_middleware` does), so an exception it let
-through would meet only the outermost handler and, before this, left as a
-500 `internal-error`: a bug's answer to an outage.
+Where it sits on a request's path: an ASGI middleware just inside the body
+cap (app/api/body_limit.py), looking only at `POST /v1/payments`. It answers
+only when it is sure, with the full path's own checks and decision, and hands
+everything else on untouched, with its read (what the full path would read
+next) handed over. Why it is safe, and what it answers itself:
+docs/request-path.md#the-replay-shortcut-a-measured-optimisation.
 """
 
 from __future__ import annotations
@@ -45,13 +14,17 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import ValidationError
 
+from app.api import deps
 from app.api.body_limit import MAX_BODY_BYTES
-from app.api.deps import bearer_api_key, hand_over, look_up
 from app.api.errors import retry_after_seconds, unavailable_response
-from app.db.errors import database_unavailable
 from app.api.routes import final_response
+from app.authentication import PaymentCaller
+from app.db.errors import database_unavailable
+from app.fastpath.lookup_pool import Lookup, LookupPool
 from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
 from app.observability import metrics
 from app.payments.models import PaymentRequest
@@ -65,17 +38,20 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PATH = "/v1/payments"
-# A payment request is a few hundred bytes. A body of unknown length goes to
-# the full path, so the shortcut never buffers much; one over MAX_BODY_BYTES
-# (the body cap, the same constant) never gets here (app/api/body_limit.py),
-# and the shortcut checks it again rather than rely on its position.
+
+
+def install(app: FastAPI, lookups: LookupPool) -> None:
+    """Put the shortcut in front of `app`'s routes, and let the full path take over its read."""
+    app.add_middleware(ReplayShortcut, lookups=lookups)
+    app.dependency_overrides[deps.payment_caller] = payment_caller_handed_over
 
 
 class ReplayShortcut:
     """ASGI middleware: answers a retry of a finished payment from its stored response."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, lookups: LookupPool) -> None:
         self.app = app
+        self.lookups = lookups
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != PATH:
@@ -89,7 +65,7 @@ class ReplayShortcut:
         messages = await _read_body(receive, length)
         body = b"".join(m.get("body", b"") for m in messages)
         try:
-            replay = await _stored_replay(scope, api_key, key, body) if len(body) == length else None
+            replay = await self._stored_replay(scope, api_key, key, body) if len(body) == length else None
         except Exception as exc:
             if not database_unavailable(exc):
                 raise
@@ -101,6 +77,19 @@ class ReplayShortcut:
             await final_response(replay, replayed=True)(scope, receive, send)
             return
         await self.app(scope, _replaying(messages, receive), send)
+
+    async def _stored_replay(self, scope: Scope, api_key: str, key: str, body: bytes) -> Finished | None:
+        """The stored response if this is a retry of a finished payment; None otherwise."""
+        try:
+            # json.loads, then the model: what FastAPI does with a JSON body.
+            request = PaymentRequest.model_validate(json.loads(body))
+        except (ValueError, RecursionError, ValidationError):
+            return None  # not a valid payment request: the full path says why
+        lookup = await self.lookups.look_up(api_key, key)
+        scope.setdefault("state", {})[_HANDED_OVER] = lookup
+        if lookup.caller is None or lookup.caller.row is None:
+            return None
+        return stored_response(lookup.caller.row, fingerprint(request))
 
 
 def _headers(scope: Scope) -> tuple[str, str, int] | None:
@@ -116,6 +105,9 @@ def _headers(scope: Scope) -> tuple[str, str, int] | None:
         return None
     api_key = bearer_api_key(seen.get(b"authorization"))
     raw_key, length = seen.get(b"idempotency-key"), seen.get(b"content-length", "")
+    # A body of unknown length goes to the full path, so the shortcut never
+    # buffers much; the body cap refuses one over MAX_BODY_BYTES before it
+    # gets here, and the shortcut checks again rather than rely on its place.
     if api_key is None or raw_key is None or not length.isdigit() or int(length) > MAX_BODY_BYTES:
         return None
     try:
@@ -149,15 +141,39 @@ def _replaying(messages: list[Message], receive: Receive) -> Receive:
     return replay
 
 
-async def _stored_replay(scope: Scope, api_key: str, key: str, body: bytes) -> Finished | None:
-    """The stored response if this is a retry of a finished payment; None otherwise."""
-    try:
-        # json.loads, then the model: what FastAPI does with a JSON body.
-        request = PaymentRequest.model_validate(json.loads(body))
-    except (ValueError, RecursionError, ValidationError):
-        return None  # not a valid payment request: the full path says why
-    lookup = await look_up(scope["app"].state.services, api_key, key)
-    hand_over(scope, lookup)
-    if lookup.caller is None or lookup.caller.row is None:
+def bearer_api_key(authorization: str | None) -> str | None:
+    """The API key in an `Authorization` header's value, or None: as the full path reads it.
+
+    Parsed by the function FastAPI's HTTPBearer uses (the scheme "Bearer" in
+    any case, the key after the first space, stripped), and held to the same
+    bounds (`deps.usable_api_key`).
+    """
+    scheme, api_key = get_authorization_scheme_param(authorization)
+    return deps.usable_api_key(api_key) if scheme.lower() == "bearer" else None
+
+
+# Where a lookup the shortcut made waits, in the request's state, for the full path.
+_HANDED_OVER = "caller_lookup"
+
+
+def handed_over(request: Request, api_key: str | None, raw_key: str | None) -> Lookup | None:
+    """This request's lookup, if the shortcut made it for the very API key and key it carries."""
+    lookup = request.scope.get("state", {}).get(_HANDED_OVER)
+    if lookup is None or api_key != lookup.api_key or raw_key is None:
         return None
-    return stored_response(lookup.caller.row, fingerprint(request))
+    try:
+        return lookup if parse_idempotency_key(raw_key) == lookup.key else None
+    except InvalidIdempotencyKey:
+        return None
+
+
+async def payment_caller_handed_over(
+    request: Request, services: deps.ServicesDep, credentials: deps.Credentials, raw_key: deps.RawKey = None
+) -> PaymentCaller:
+    """`deps.payment_caller`, answered from the shortcut's lookup when it made one, so a new payment reads once."""
+    lookup = handed_over(request, deps.api_key_of(credentials), raw_key)
+    if lookup is None:
+        return await deps.payment_caller(services, credentials, raw_key)
+    if lookup.caller is None:
+        raise deps.unauthenticated()
+    return lookup.caller

@@ -1,0 +1,58 @@
+"""Who is asking: the client behind an API key and, for a payment, what it stored under its key.
+
+Where it sits on a request's path: the API's dependencies (app/api/deps.py)
+call it before any route runs, and the route hands what it returns to the
+service. Each answer is one SELECT through `app.db.transaction.read`: nothing
+is written, and the refusal (401) is the API's to give.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app import clients
+from app.db.transaction import read
+from app.idempotency.store import CALLER_SQL, KeyRow
+from app.services import Services
+
+
+@dataclass(frozen=True)
+class PaymentCaller:
+    """Who sent a POST /v1/payments, under which key, and what that key already holds (None: nothing yet)."""
+
+    client_id: int
+    key: str
+    row: KeyRow | None
+
+
+async def client_id(services: Services, api_key: str) -> int | None:
+    """The id of the client holding `api_key`, or None."""
+    return await read(services.engine, clients.authenticate, api_key)
+
+
+async def payment_caller(services: Services, api_key: str, key: str) -> PaymentCaller | None:
+    """The client holding `api_key` and its row for `key`, in one read; None if no client holds it.
+
+    A retry of a finished payment needs nothing else: the service answers it
+    from this row alone.
+    """
+    return await read(services.engine, _caller, clients.hash_api_key(api_key), key)
+
+
+async def _caller(conn: AsyncConnection, api_key_hash: bytes, key: str) -> PaymentCaller | None:
+    # CALLER_SQL is written for the driver ($1, $2), so it goes to it as is.
+    row = (await conn.exec_driver_sql(CALLER_SQL, (api_key_hash, key))).mappings().one_or_none()
+    return caller_of(row, key)
+
+
+def caller_of(row: Mapping[str, Any] | None, key: str) -> PaymentCaller | None:
+    """The caller a row of CALLER_SQL names, however it was read; None for no row (an unknown API key)."""
+    if row is None:
+        return None
+    columns = dict(row)
+    caller_id = columns.pop("caller_id")
+    return PaymentCaller(caller_id, key, None if columns["key"] is None else KeyRow(**columns))

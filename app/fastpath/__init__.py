@@ -1,0 +1,17 @@
+"""Optimisations, behind one door. The service is correct without each of them.
+
+Nothing on a request's path imports this package: app/main.py installs it
+when REPLAY_SHORTCUT is on (the default), and the routes, their dependencies
+and the service read as if it were not there. With REPLAY_SHORTCUT=false
+every answer is the same, byte for byte; the tests run one API each way
+(tests/conftest.py). What each part saves, and the measurement
+(docs/reference/performance.md#the-optimisations-behind-one-door):
+
+- replay_shortcut.py: a retry of a finished payment is answered before
+  FastAPI runs, saving the framework's routing, dependency solving and
+  SQLAlchemy on the commonest retry; a request it passes on takes its read
+  with it, so a new payment still reads once.
+- lookup_pool.py: that one read runs on asyncpg itself, from a pool of its
+  own that sends no reset query when a connection goes back, saving
+  SQLAlchemy's execution around it and a second round trip.
+"""
