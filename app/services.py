@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import Settings
-from app.db.engine import build_engine
+from app.db.engine import build_engine, ping
+from app.db.transaction import read
 from app.rails.client import PSP, Rail
 from app.rails.transport import http_client
 
@@ -44,3 +45,8 @@ async def open_services(settings: Settings) -> AsyncIterator[Services]:
             )
     finally:
         await engine.dispose()
+
+
+async def database_answers(services: Services) -> None:
+    """One `SELECT 1`; raises whatever stops the database from answering (the health check's probe)."""
+    await read(services.engine, ping)

@@ -1,4 +1,4 @@
-"""The routes: translate HTTP to calls on `app.payments.service` and back."""
+"""The routes: translate HTTP to calls on `app.payments.service` and back; no SQL, no transaction."""
 
 from __future__ import annotations
 
@@ -13,17 +13,14 @@ from fastapi import APIRouter, Query, Response
 from app.api.deps import Caller, ClientId, ServicesDep
 from app.api.errors import problem_response
 from app.api.schemas import EventList, EventView, KeyView, ProblemDoc
-from app.db.engine import ping
 from app.db.errors import describe
-from app.db.transaction import read
-from app.idempotency import store as keys
 from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
+from app.machine.engine import Finished
 from app.observability import metrics
 from app.outbox import events
-from app.payments import store as payments
+from app.payments import service
 from app.payments.models import PaymentRequest, PaymentView
-from app.machine.engine import Finished
-from app.payments.service import submit_payment
+from app.services import database_answers
 from app.problems import CATALOGUE, NOT_FOUND, SERVICE_UNAVAILABLE, ProblemError
 
 log = logging.getLogger(__name__)
@@ -71,7 +68,7 @@ def _example(slug: str) -> dict[str, Any]:
     },
 )
 async def create_payment(services: ServicesDep, caller: Caller, body: PaymentRequest) -> Response:
-    reply = await submit_payment(services, caller.client_id, caller.key, body, row=caller.row)
+    reply = await service.submit_payment(services, caller.client_id, caller.key, body, row=caller.row)
     outcome = reply.outcome
     if isinstance(outcome, Finished):
         if reply.replayed:
@@ -111,7 +108,7 @@ async def get_payment(services: ServicesDep, client_id: ClientId, payment_id: st
         pid = uuid.UUID(payment_id)
     except ValueError:
         pid = None
-    payment = pid and await read(services.engine, payments.get, client_id, pid)
+    payment = pid and await service.find_payment(services, client_id, pid)
     if not payment:
         # Another client's payment is "not found" too, never "forbidden".
         raise ProblemError(NOT_FOUND, "no such payment")
@@ -127,7 +124,7 @@ async def get_payment(services: ServicesDep, client_id: ClientId, payment_id: st
 )
 async def get_idempotency_key(services: ServicesDep, client_id: ClientId, key: str) -> KeyView:
     try:
-        row = await read(services.engine, keys.load, client_id, parse_idempotency_key(key))
+        row = await service.find_key(services, client_id, parse_idempotency_key(key))
     except InvalidIdempotencyKey:
         row = None
     if row is None:
@@ -155,7 +152,7 @@ async def list_events(
     after: uuid.UUID | None = Query(None, description="Only events after this event id."),
     limit: int = Query(50, ge=1, le=events.MAX_PAGE),
 ) -> EventList:
-    found = await read(services.engine, events.feed, client_id, after, limit + 1)
+    found = await service.events_after(services, client_id, after, limit + 1)
     page = found[:limit]
     return EventList(
         data=[EventView.of(e) for e in page],
@@ -193,7 +190,7 @@ async def healthz(services: ServicesDep) -> Response:
     """
     try:
         async with asyncio.timeout(HEALTH_TIMEOUT_SECONDS):
-            await read(services.engine, ping)
+            await database_answers(services)
     except Exception as exc:  # any failure to get an answer means "down" to whoever polls this
         log.warning("health check: database down: %s", describe(exc))
         return problem_response(
