@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from app import clients
+from app import client_accounts
 from app.config import asyncpg_url
 from app.db.transaction import atomic, autocommit, read
 from app.idempotency import partitions
@@ -66,14 +66,14 @@ def create_client(url: str, name: str, api_key: str | None = None) -> tuple[int,
 
     Only the key's hash is stored: the key returned is the one chance to see it.
     """
-    api_key = api_key or clients.new_api_key()
-    client_id = on_database(url, lambda engine: atomic(engine, clients.create, name, api_key))
+    api_key = api_key or client_accounts.new_api_key()
+    client_id = on_database(url, lambda engine: atomic(engine, client_accounts.create, name, api_key))
     return client_id, api_key
 
 
 def client_of_key(url: str, api_key: str) -> int | None:
     """The id of the client that `api_key` authenticates, or None."""
-    return on_database(url, lambda engine: read(engine, clients.authenticate, api_key))
+    return on_database(url, lambda engine: read(engine, client_accounts.authenticate, api_key))
 
 
 def set_webhook(
@@ -90,7 +90,7 @@ def set_webhook(
         endpoints.checked_url(webhook_url)
 
     async def work(conn) -> tuple[str, str | int | None]:
-        client_id = await clients.by_name(conn, client_name)
+        client_id = await client_accounts.by_name(conn, client_name)
         if client_id is None:
             return "no-client", None
         if webhook_url is None:
@@ -104,7 +104,7 @@ def webhook_endpoint(url: str, client_name: str) -> tuple[str, str] | None:
     """The (URL, signing secret) of the webhook endpoint of the client named `client_name`; None if it has none."""
 
     async def work(conn) -> tuple[str, str] | None:
-        client_id = await clients.by_name(conn, client_name)
+        client_id = await client_accounts.by_name(conn, client_name)
         return None if client_id is None else await endpoints.get_endpoint(conn, client_id)
 
     return on_database(url, lambda engine: read(engine, work))

@@ -14,9 +14,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app import clients
+from app import client_accounts
 from app.db.transaction import read
-from app.idempotency.store import CALLER_SQL, KeyRow
+from app.idempotency.key_table import CALLER_SQL, KeyRow
 from app.services import Services
 
 
@@ -31,7 +31,7 @@ class PaymentCaller:
 
 async def client_id(services: Services, api_key: str) -> int | None:
     """The id of the client holding `api_key`, or None."""
-    return await read(services.engine, clients.authenticate, api_key)
+    return await read(services.engine, client_accounts.authenticate, api_key)
 
 
 async def payment_caller(services: Services, api_key: str, key: str) -> PaymentCaller | None:
@@ -40,7 +40,7 @@ async def payment_caller(services: Services, api_key: str, key: str) -> PaymentC
     A retry of a finished payment needs nothing else: the service answers it
     from this row alone.
     """
-    return await read(services.engine, _caller, clients.hash_api_key(api_key), key)
+    return await read(services.engine, _caller, client_accounts.hash_api_key(api_key), key)
 
 
 async def _caller(conn: AsyncConnection, api_key_hash: bytes, key: str) -> PaymentCaller | None:

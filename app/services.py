@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.config import Settings
 from app.db.engine import build_engine, ping
 from app.db.transaction import read
-from app.rails.client import PSP, Rail
+from app.rails.gateways import PSP, Rail
 from app.rails.transport import http_client
 
 

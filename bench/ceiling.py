@@ -9,7 +9,7 @@ will not help; at a large one, nothing else will.
 
 The script is not written by hand: it is recorded. The bench runs the
 service's own request path for one new payment, as `POST /v1/payments` does
-(`deps.payment_caller`, then `service.submit_payment`, which drives the
+(`deps.payment_caller`, then `submission.submit_payment`, which drives the
 phases), with stand-ins for the database engine, the PSP and the rail. The
 stand-in connection notes each statement the code issues and its parameters,
 and which function issued it; today that is
@@ -56,7 +56,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 from app.api.deps import payment_caller
 from app.config import Settings, libpq_url
 from app.payments.models import Payment, PaymentRequest, fee_for
-from app.payments.service import submit_payment
+from app.payments.submission import submit_payment
 from app.rails.answers import Charge, Transfer
 from app.rails.outcomes import Applied
 from app.services import Services

@@ -31,7 +31,7 @@ run; `make test` fails if this page differs from them
 
 Each statement is built by [app/machine/statements.py](../../app/machine/statements.py)
 from one fence (the key row's claim, advance or finish, from
-[app/idempotency/store.py](../../app/idempotency/store.py)), the phase's own
+[app/idempotency/key_table.py](../../app/idempotency/key_table.py)), the phase's own
 writes (written beside the phase, in [app/payments/phases.py](../../app/payments/phases.py)
 and [app/payments/returns.py](../../app/payments/returns.py)) and, in every
 statement that finishes an operation, the outbox's event and webhook delivery

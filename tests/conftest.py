@@ -31,7 +31,7 @@ import asyncpg
 import httpx
 import pytest
 
-from app import clients
+from app import client_accounts
 from app.config import Settings
 from app.outbox import endpoints
 from devtools.processes import BIN, Process
@@ -171,9 +171,9 @@ class Client:
 
 
 async def make_client(db: asyncpg.Connection, name: str) -> Client:
-    api_key = clients.new_api_key()
+    api_key = client_accounts.new_api_key()
     client_id = await db.fetchval(
-        "INSERT INTO client (name, api_key_hash) VALUES ($1, $2) RETURNING id", name, clients.hash_api_key(api_key)
+        "INSERT INTO client (name, api_key_hash) VALUES ($1, $2) RETURNING id", name, client_accounts.hash_api_key(api_key)
     )
     return Client(client_id, api_key)
 

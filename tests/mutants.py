@@ -84,7 +84,7 @@ MUTANTS = (
         "a phase commits only under its own lease (the fence checks the lease token)",
         (
             Edit(
-                "app/idempotency/store.py",
+                "app/idempotency/key_table.py",
                 "       AND lease_token = :token AND state = 'started'\n    RETURNING payment_id",
                 "       AND state = 'started'\n    RETURNING payment_id",
                 count=2,  # ADVANCE_SQL, FINISH_SQL: the fence of every statement built from them
@@ -145,7 +145,7 @@ MUTANTS = (
         "an unknown outcome is released, never stored as the final response",
         (
             Edit(
-                "app/idempotency/store.py",
+                "app/idempotency/key_table.py",
                 "       SET lease_token = NULL,\n           lease_expires_at = NULL,\n           last_error = :error,\n"
                 "           not_sent = :not_sent,\n           next_attempt_at",
                 "       SET state = 'finished', response_code = 503, response_body = :error,  -- MUTANT\n"
@@ -175,7 +175,7 @@ MUTANTS = (
         "only an operation whose lease has run out may be taken over",
         (
             Edit(
-                "app/idempotency/store.py",
+                "app/idempotency/key_table.py",
                 "       AND k.state = 'started' AND k.parked_at IS NULL\n"
                 "       AND (k.lease_expires_at IS NULL OR k.lease_expires_at < now())\n",
                 "       AND k.state = 'started' AND k.parked_at IS NULL  -- MUTANT: live leases too\n",

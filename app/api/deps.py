@@ -44,7 +44,7 @@ Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 RawKey = Annotated[str | None, _KEY_HEADER]
 
 
-MAX_API_KEY_LENGTH = 200  # well above ours (app/clients.py::new_api_key); refusing longer ones early keeps hashing cheap
+MAX_API_KEY_LENGTH = 200  # well above ours (app/client_accounts.py::new_api_key); refusing longer ones early keeps hashing cheap
 
 
 def usable_api_key(api_key: str | None) -> str | None:
@@ -101,4 +101,4 @@ def idempotency_key(raw: str | None) -> str:
 
 
 ClientId = Annotated[int, Depends(authenticated_client)]
-Caller = Annotated[PaymentCaller, Depends(payment_caller)]
+PaymentCallerDep = Annotated[PaymentCaller, Depends(payment_caller)]

@@ -1,4 +1,4 @@
-"""The routes: translate HTTP to calls on `app.payments.service` and back; no SQL, no transaction."""
+"""The routes: translate HTTP to calls on the payment's services (submission, lookups) and back; no SQL, no transaction."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Response
 
-from app.api.deps import Caller, ClientId, ServicesDep
+from app.api.deps import ClientId, PaymentCallerDep, ServicesDep
 from app.api.errors import problem_response
 from app.api.schemas import EventList, EventView, KeyView, ProblemDoc
 from app.db.errors import describe
@@ -18,7 +18,7 @@ from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
 from app.machine.engine import Finished
 from app.observability import metrics
 from app.outbox import events
-from app.payments import service
+from app.payments import lookups, submission
 from app.payments.models import PaymentRequest, PaymentView
 from app.services import database_answers
 from app.problems import CATALOGUE, NOT_FOUND, SERVICE_UNAVAILABLE, ProblemError
@@ -67,8 +67,8 @@ def _example(slug: str) -> dict[str, Any]:
         503: _problem_doc("service-unavailable", "key-table-unavailable"),
     },
 )
-async def create_payment(services: ServicesDep, caller: Caller, body: PaymentRequest) -> Response:
-    reply = await service.submit_payment(services, caller.client_id, caller.key, body, row=caller.row)
+async def create_payment(services: ServicesDep, caller: PaymentCallerDep, body: PaymentRequest) -> Response:
+    reply = await submission.submit_payment(services, caller.client_id, caller.key, body, row=caller.row)
     outcome = reply.outcome
     if isinstance(outcome, Finished):
         if reply.replayed:
@@ -108,7 +108,7 @@ async def get_payment(services: ServicesDep, client_id: ClientId, payment_id: st
         pid = uuid.UUID(payment_id)
     except ValueError:
         pid = None
-    payment = pid and await service.find_payment(services, client_id, pid)
+    payment = pid and await lookups.find_payment(services, client_id, pid)
     if not payment:
         # Another client's payment is "not found" too, never "forbidden".
         raise ProblemError(NOT_FOUND, "no such payment")
@@ -124,7 +124,7 @@ async def get_payment(services: ServicesDep, client_id: ClientId, payment_id: st
 )
 async def get_idempotency_key(services: ServicesDep, client_id: ClientId, key: str) -> KeyView:
     try:
-        row = await service.find_key(services, client_id, parse_idempotency_key(key))
+        row = await lookups.find_key(services, client_id, parse_idempotency_key(key))
     except InvalidIdempotencyKey:
         row = None
     if row is None:
@@ -152,7 +152,7 @@ async def list_events(
     after: uuid.UUID | None = Query(None, description="Only events after this event id."),
     limit: int = Query(50, ge=1, le=events.MAX_PAGE),
 ) -> EventList:
-    found = await service.events_after(services, client_id, after, limit + 1)
+    found = await lookups.events_after(services, client_id, after, limit + 1)
     page = found[:limit]
     return EventList(
         data=[EventView.of(e) for e in page],

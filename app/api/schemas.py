@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from app.idempotency.store import KeyRow
+from app.idempotency.key_table import KeyRow
 from app.outbox.events import Event
 from app.payments.models import PaymentView
 

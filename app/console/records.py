@@ -1,6 +1,6 @@
 """What the PSP and the rail hold for a payment, asked the way a resumer asks them.
 
-The console uses the rails clients' own probes (app/rails/client.py): the
+The console uses the rails clients' own probes (app/rails/gateways.py): the
 charge and the refund by their derived keys K1 and K3, the transfer by its
 end-to-end reference. So it shows exactly what the service itself would learn
 if it resumed the payment now, from the real PSP or rail as from the fakes,
@@ -19,7 +19,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.rails.client import PSP, Rail
+from app.rails.gateways import PSP, Rail
 from app.rails.outcomes import Applied, NotFound, ProbeOutcome, Unknown
 
 # A console page should not wait on a slow rail for the rail's full call timeout.

@@ -1,6 +1,6 @@
 """An operation's timeline as a diagram: the key row's history, with the calls between its commits.
 
-The key row's `timeline` (app/idempotency/store.py) holds one entry per state
+The key row's `timeline` (app/idempotency/key_table.py) holds one entry per state
 change, written by the same statement as the change: a claim, each phase's
 commit, a takeover, a release, a park, an unpark. What it does not hold is
 the external calls, because they happen between commits and a call is never

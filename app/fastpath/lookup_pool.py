@@ -17,10 +17,10 @@ from types import TracebackType
 import asyncpg
 
 from app.authentication import PaymentCaller, caller_of
-from app.clients import hash_api_key
+from app.client_accounts import hash_api_key
 from app.config import Settings, libpq_url
 from app.db.engine import SERVER_SETTINGS
-from app.idempotency.store import CALLER_SQL
+from app.idempotency.key_table import CALLER_SQL
 
 
 @dataclass(frozen=True)

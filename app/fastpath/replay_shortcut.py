@@ -29,7 +29,7 @@ from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
 from app.observability import metrics
 from app.payments.models import PaymentRequest
 from app.machine.engine import Finished
-from app.payments.service import fingerprint, stored_response
+from app.payments.submission import fingerprint, stored_response
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

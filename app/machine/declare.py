@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.idempotency.store import KeyRow, Lease
+from app.idempotency.key_table import KeyRow, Lease
 from app.rails.outcomes import CallOutcome, ProbeOutcome
 
 if TYPE_CHECKING:

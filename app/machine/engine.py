@@ -35,8 +35,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db.errors import describe, loggable
 from app.db.transaction import atomic, one_statement, read
-from app.idempotency import store as keys
-from app.idempotency.store import Lease, LeaseLost
+from app.idempotency import key_table
+from app.idempotency.key_table import Lease, LeaseLost
 from app.machine.crash import reached
 from app.machine.declare import FINISHED, Call, Machine, Operation
 from app.machine.statements import Statement
@@ -265,11 +265,11 @@ async def take_over_phase(
     owner, if it is merely slow rather than dead, is fenced off from then on.
     None means someone else holds a live lease (or just took it over).
     """
-    taken = await keys.take_over(conn, client_id, key, lease_seconds, event="taken over")
+    taken = await key_table.take_over(conn, client_id, key, lease_seconds, event="taken over")
     if taken is None:
         return None
     lease, not_sent = taken
-    row = await keys.load(conn, client_id, key)
+    row = await key_table.load(conn, client_id, key)
     assert row is not None
     machine = machines[row.endpoint]
     subject = await machine.load(conn, row)
@@ -290,10 +290,10 @@ async def heal(services: Services, machines: Mapping[str, Machine[Any]], client_
     """
     settings = services.settings
     logs.bind(client_id=client_id, key_hash=logs.key_hash(key))
-    claimed = await one_statement(services.engine, keys.claim_recheck, client_id, key, settings.parked_recheck_seconds)
+    claimed = await one_statement(services.engine, key_table.claim_recheck, client_id, key, settings.parked_recheck_seconds)
     if claimed is None:
         return None
-    row = await read(services.engine, keys.load, client_id, key)
+    row = await read(services.engine, key_table.load, client_id, key)
     if row is None:
         return None
     machine = machines[row.endpoint]
@@ -352,7 +352,7 @@ async def release(
     derived key (unless not_sent) and carries on. Nothing is reported as
     failed, because nothing is known to have failed.
     """
-    await keys.release(conn, op.lease, reason, retry_in, event=event, not_sent=not_sent)
+    await key_table.release(conn, op.lease, reason, retry_in, event=event, not_sent=not_sent)
 
 
 async def park(conn: AsyncConnection, op: Operation[S], reason: str, recheck_in: float, *, not_sent: bool = False) -> S:
@@ -366,7 +366,7 @@ async def park(conn: AsyncConnection, op: Operation[S], reason: str, recheck_in:
     Crash before commit: nothing changed; once the lease runs out the next
     attempt takes over, probes once more, and parks it if still unknown.
     """
-    await keys.park(conn, op.lease, reason, recheck_in, event="parked", not_sent=not_sent)
+    await key_table.park(conn, op.lease, reason, recheck_in, event="parked", not_sent=not_sent)
     return await op.machine.on_park(conn, op)
 
 
@@ -382,11 +382,11 @@ async def unpark(
     Crash after commit: the lease runs out and the recovery worker resumes it.
     None if it is not parked any more (somebody else took it back first).
     """
-    taken = await keys.unpark(conn, client_id, key, lease_seconds, event=event)
+    taken = await key_table.unpark(conn, client_id, key, lease_seconds, event=event)
     if taken is None:
         return None
     lease, attempt = taken
-    row = await keys.load(conn, client_id, key)
+    row = await key_table.load(conn, client_id, key)
     assert row is not None
     parked = Operation(machine, lease, row.recovery_point, await machine.load(conn, row), resumed=True, attempt=attempt)
     return replace(parked, subject=await machine.on_unpark(conn, parked))

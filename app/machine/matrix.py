@@ -1,6 +1,6 @@
 """The response matrix: what a request that names an Idempotency-Key means, decided from the stored row.
 
-Called by each operation's service (app/payments/service.py) with the
+Called by each operation's service (app/payments/submission.py) with the
 operation's machine; the engine (app/machine/engine.py) then drives what
 this starts or takes over. In the order it is decided (docs/response-matrix.md):
 
@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 from sqlalchemy.exc import IntegrityError
 
 from app.db.transaction import one_statement, read
-from app.idempotency import store as keys
-from app.idempotency.store import KeyRow, LeaseLost
+from app.idempotency import key_table
+from app.idempotency.key_table import KeyRow, LeaseLost
 from app.machine.crash import reached
 from app.machine.declare import Machine, Operation
 from app.machine.engine import Finished, Pending, drive, take_over
@@ -76,7 +76,7 @@ async def submit(
             return Reply(await _drive_for_client(services, op))
         # A concurrent first attempt claimed the key between our read and
         # our claim: the database let exactly one of us in. Read what it stored.
-        row = await read(services.engine, keys.load, client_id, key)
+        row = await read(services.engine, key_table.load, client_id, key)
         if row is None:
             # Claimed and gone again (reaped): behave as in flight rather
             # than guess; the retry will find a clean slate.

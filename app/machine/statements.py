@@ -6,7 +6,7 @@ has the same shape, so only the middle is written by the phase:
 
     fence     the key row's UPDATE (or, in a start phase, the claim), which
               names our lease token: no row comes back if the lease was
-              taken over (app/idempotency/store.py: ADVANCE_SQL, FINISH_SQL)
+              taken over (app/idempotency/key_table.py: ADVANCE_SQL, FINISH_SQL)
     ...       the phase's own writes, each reading FROM the fence, or from a
               write that does (the payment as `updated`, the ledger legs)
     emitted   the event a client must hear about, and its webhook delivery
@@ -30,7 +30,7 @@ from functools import cached_property
 
 from sqlalchemy import TextClause, text
 
-from app.idempotency.store import ADVANCE_SQL, CLAIM_SQL, FINISH_SQL
+from app.idempotency.key_table import ADVANCE_SQL, CLAIM_SQL, FINISH_SQL
 from app.outbox.events import EMIT_SQL
 
 

@@ -4,7 +4,7 @@ Where it sits: a leaf below every layer. The API counts requests, problems
 and replays (app/api/metrics.py, app/fastpath/replay_shortcut.py); the engine
 counts new and finished payments, takeovers, releases and parks
 (app/machine/engine.py); the rail clients time every exchange with the PSP
-and the rail (app/rails/client.py); the worker reports its sweeps, its
+and the rail (app/rails/gateways.py); the worker reports its sweeps, its
 backlog and reconciliation (app/workers/). docs/operations.md lists them all,
 with the alerts to set on them; tests/unit/test_operations_doc.py keeps that
 list and this module the same.

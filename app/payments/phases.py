@@ -28,13 +28,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from uuid6 import uuid7
 
 from app.idempotency.keys import derived_key, end_to_end_reference
-from app.idempotency.store import KeyRow, Lease
+from app.idempotency.key_table import KeyRow, Lease
 from app.ledger import postings
 from app.machine import engine
 from app.machine.declare import Machine, Operation
 from app.machine.statements import advance, claim, finish
 from app.outbox import events
-from app.payments import store as payments
+from app.payments import payment_table
 from app.payments.models import Payment, PaymentRequest, PaymentView, fee_for
 from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT, STEP_CHARGE, STEP_REFUND, STEP_TRANSFER
 from app.problems import DUPLICATE_PAYMENT, ProblemError
@@ -112,7 +112,7 @@ async def handler1(
             raise
         # The reference is taken: the statement, claim included, was rolled
         # back, so retrying this gives the same answer.
-        existing = await payments.id_by_reference(conn, client_id, request.reference)
+        existing = await payment_table.id_by_reference(conn, client_id, request.reference)
         raise ProblemError(
             DUPLICATE_PAYMENT, f"payment {existing} already has reference {request.reference!r}",
             payment_id=str(existing),
@@ -284,7 +284,7 @@ async def _finish(conn: AsyncConnection, op: Operation[Payment], statement, fina
 async def load(conn: AsyncConnection, row: KeyRow) -> Payment:
     """The payment a key row names (for an owner that takes it over)."""
     assert row.payment_id is not None
-    payment = await payments.get(conn, row.client_id, row.payment_id)
+    payment = await payment_table.get(conn, row.client_id, row.payment_id)
     assert payment is not None
     return payment
 
@@ -295,7 +295,7 @@ def from_row(row: Mapping[str, Any]) -> Payment:
 
 async def indeterminate(conn: AsyncConnection, op: Operation[Payment]) -> Payment:
     """Parked: the payment is `indeterminate`, and the client hears so (`payment.indeterminate`)."""
-    payment = await payments.update(conn, "indeterminate", op.subject.id)
+    payment = await payment_table.update(conn, "indeterminate", op.subject.id)
     await events.emit(
         conn, client_id=payment.client_id, payment_id=payment.id,
         event_type=events.INDETERMINATE, data=PaymentView.of(payment).body(),
@@ -305,7 +305,7 @@ async def indeterminate(conn: AsyncConnection, op: Operation[Payment]) -> Paymen
 
 async def reopened(conn: AsyncConnection, op: Operation[Payment]) -> Payment:
     """Taken back from parking by someone who learned something: `processing` again."""
-    return await payments.update(conn, "reopened", op.subject.id)
+    return await payment_table.update(conn, "reopened", op.subject.id)
 
 
 def log_fields(payment: Payment) -> dict[str, str]:

@@ -67,7 +67,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db.transaction import atomic
 from app.idempotency.keys import derived_key
-from app.idempotency.store import KeyRow, Lease, LeaseLost
+from app.idempotency.key_table import KeyRow, Lease, LeaseLost
 from app.ledger import postings
 from app.machine import engine
 from app.machine.crash import reached
@@ -75,7 +75,7 @@ from app.machine.declare import FINISHED, Call, Machine, Operation, Start
 from app.machine.engine import Finished, Pending
 from app.machine.statements import finish
 from app.outbox import events
-from app.payments import store as payments
+from app.payments import payment_table
 from app.payments.models import Payment, PaymentView
 from app.payments.recovery_points import EXT4_SENT, STEP_RETURN_REFUND
 from app.problems import RETURN_TOO_EARLY, ProblemError
@@ -343,7 +343,7 @@ async def record_return_refund(
 
 async def _load(conn: AsyncConnection, row: KeyRow) -> Payment:
     assert row.payment_id is not None
-    payment = await payments.get(conn, row.client_id, row.payment_id)
+    payment = await payment_table.get(conn, row.client_id, row.payment_id)
     assert payment is not None
     return payment
 

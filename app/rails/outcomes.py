@@ -1,7 +1,7 @@
 """The four things an external call can tell us, and the probe's answers.
 
 Every HTTP exchange with the PSP or the rail is reduced to one of these by
-`app.rails.client`, so the engine never interprets status codes, exceptions
+`app.rails.gateways`, so the engine never interprets status codes, exceptions
 or response bodies itself:
 
     Applied     the external system holds a record for our key, with a status

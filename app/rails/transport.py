@@ -14,7 +14,7 @@ all escape as aiohttp's own `ClientResponseError`. Both matter for money:
   ordinary transport error, so that it is classified like any other broken
   exchange (unknown) instead of escaping as an unexpected exception.
 
-`ClassifyingTransport` fixes both at the boundary, so app/rails/client.py
+`ClassifyingTransport` fixes both at the boundary, so app/rails/gateways.py
 only ever sees httpx's exceptions, each meaning what httpx documents.
 """
 

@@ -52,14 +52,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db.errors import database_unavailable, describe, loggable
 from app.db.transaction import atomic, read
-from app.idempotency.store import LeaseLost
+from app.idempotency.key_table import LeaseLost
 from app.observability import logs, metrics
 from app.machine import engine
 from app.machine.crash import reached
 from app.machine.declare import FINISHED, Operation
 from app.machine.engine import drive, report_finished
 from app.payments import returns
-from app.payments import store as payments
+from app.payments import payment_table
 from app.payments.models import Payment
 from app.payments.payment import PAYMENT
 from app.payments.recovery_points import EXT2_SENT, EXT4_SENT
@@ -130,7 +130,7 @@ async def _reconcile(services: Services, run: RunLease) -> dict[str, Any]:
     # Payouts instructed up to `horizon` days before may be booked on this
     # window's statement, so they are candidates too; each is decided only
     # from the statements of its own booking horizon.
-    parked = await read(services.engine, payments.parked_payouts, window - horizon * ONE_DAY, window)
+    parked = await read(services.engine, payment_table.parked_payouts, window - horizon * ONE_DAY, window)
     days = {window} | {d for p, _ in parked for d in _booking_days(p, horizon)}
     statements = {day: await _statement(services, day) for day in sorted(days)}
 
@@ -138,7 +138,7 @@ async def _reconcile(services: Services, run: RunLease) -> dict[str, Any]:
     for statement in statements.values():
         for entry in statement["entries"]:
             booked[entry["end_to_end_reference"]].append(entry)
-    ours = await read(services.engine, payments.by_end_to_end, list(booked))
+    ours = await read(services.engine, payment_table.by_end_to_end, list(booked))
     breaks = [b for ref, entries in booked.items() if (b := _break_for(ref, entries, ours.get(ref)))]
     if breaks:
         recorded = await atomic(services.engine, _record_breaks, run, breaks, lease_seconds)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from app.db.errors import database_unavailable, describe, loggable
 from app.db.transaction import read
-from app.idempotency import store as keys
-from app.idempotency.store import LeaseLost
+from app.idempotency import key_table
+from app.idempotency.key_table import LeaseLost
 from app.observability import logs, metrics
 from app.machine.engine import Finished, drive, heal, take_over
 from app.payments.machines import BY_ENDPOINT
@@ -82,7 +82,7 @@ async def sweep_once(services: Services) -> SweepCounts:
     """One pass: everything stranded right now, driven `worker_concurrency` at a time."""
     settings = services.settings
     stranded = await read(
-        services.engine, keys.stranded,
+        services.engine, key_table.stranded,
         min_age=settings.worker_min_age_seconds, limit=settings.worker_concurrency * 4,
     )
     gate = asyncio.Semaphore(settings.worker_concurrency)
@@ -107,7 +107,7 @@ async def recheck_parked(services: Services) -> int:
     but the time of the next round.
     """
     settings = services.settings
-    due = await read(services.engine, keys.parked_due, limit=settings.worker_concurrency * 4)
+    due = await read(services.engine, key_table.parked_due, limit=settings.worker_concurrency * 4)
     gate = asyncio.Semaphore(settings.worker_concurrency)
 
     async def one(client_id: int, key: str) -> bool:
@@ -177,7 +177,7 @@ def _count(counts: SweepCounts) -> None:
 async def observe_backlog(services: Services) -> None:
     """The key table's backlog, as gauges; a failed read leaves them as they were (the sweep says why)."""
     try:
-        found = await read(services.engine, keys.backlog, min_age=services.settings.worker_min_age_seconds)
+        found = await read(services.engine, key_table.backlog, min_age=services.settings.worker_min_age_seconds)
     except Exception as exc:  # noqa: BLE001 - reporting must never stop recovery
         log.debug("backlog not read: %s", describe(exc))
         return

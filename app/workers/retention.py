@@ -37,7 +37,7 @@ from app.db.errors import database_unavailable, describe, loggable
 from app.db.transaction import atomic, autocommit, read
 from app.idempotency import partitions
 from app.idempotency.partitions import Partition, Plan
-from app.idempotency.store import LeaseLost
+from app.idempotency.key_table import LeaseLost
 from app.services import Services
 from app.workers import pause, ticks
 from app.workers.ticks import RunLease

@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.idempotency.store import LeaseLost
+from app.idempotency.key_table import LeaseLost
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from app.machine.declare import Operation
 from app.payments import phases
 from app.payments.payment import PAYMENT
 from app.payments.models import PaymentRequest
-from app.payments.service import fingerprint
+from app.payments.submission import fingerprint
 from app.rails.answers import Charge
 from tests.support import charges, headers, key_row, payment_body, payments_for, until
 

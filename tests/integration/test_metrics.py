@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.config import Settings
 from app.db.engine import build_engine
 from app.db.transaction import read
-from app.idempotency import store as keys
+from app.idempotency import key_table
 from tests.support import claimed, headers, key_row, payment_body, until
 
 PAYMENTS = "/v1/payments"
@@ -259,11 +259,11 @@ async def test_the_backlog_is_what_a_sweep_would_take_and_how_long_the_oldest_ha
     await lease_expired(db, acme.id, key)
     engine = build_engine(Settings(database_url=database_url))
     try:
-        backlog = await read(engine, keys.backlog, min_age=0)
+        backlog = await read(engine, key_table.backlog, min_age=0)
         assert (backlog.due, backlog.unfinished, backlog.parked) == (1, 1, 0)
         assert backlog.oldest_due_seconds > 0
         # Younger than WORKER_MIN_AGE_SECONDS: the sweep would not take it yet, so it is not due.
-        assert (await read(engine, keys.backlog, min_age=3600)).due == 0
+        assert (await read(engine, key_table.backlog, min_age=3600)).due == 0
     finally:
         await engine.dispose()
 

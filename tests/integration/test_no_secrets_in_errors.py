@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from app import clients
+from app import client_accounts
 from app.db.errors import loggable
 from app.config import Settings
 from app.db.engine import build_engine
@@ -41,15 +41,15 @@ async def test_a_database_error_from_the_engine_does_not_carry_the_statements_pa
 
 async def test_a_constraint_violation_is_logged_without_the_row_postgresql_quotes_in_its_detail(database_url):
     engine = build_engine(Settings(database_url=database_url))
-    secret_name, api_key = f"secret-{uuid.uuid4().hex}", clients.new_api_key()
+    secret_name, api_key = f"secret-{uuid.uuid4().hex}", client_accounts.new_api_key()
     try:
-        await atomic(engine, clients.create, "first", api_key)
+        await atomic(engine, client_accounts.create, "first", api_key)
         with pytest.raises(IntegrityError) as raised:  # the same API key hash again: UNIQUE
-            await atomic(engine, clients.create, secret_name, api_key)
+            await atomic(engine, client_accounts.create, secret_name, api_key)
     finally:
         await engine.dispose()
 
-    key_hash = clients.hash_api_key(api_key).hex()
+    key_hash = client_accounts.hash_api_key(api_key).hex()
     # asyncpg's error, chained under SQLAlchemy's, ends with PostgreSQL's DETAIL:
     # "Key (api_key_hash)=(\x...) already exists." A plain log.exception prints it.
     assert key_hash in "".join(traceback.format_exception(raised.value))

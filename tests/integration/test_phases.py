@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from app.config import asyncpg_url
 from app.db.transaction import atomic, one_statement
-from app.idempotency.store import Lease, LeaseLost
+from app.idempotency.key_table import Lease, LeaseLost
 from app.machine import engine as machine_engine
 from app.machine.declare import Operation
 from app.payments import phases

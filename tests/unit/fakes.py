@@ -16,7 +16,7 @@ tests/unit/test_submit_decisions.py and test_runner_decisions.py check each
 
 Nothing here checks SQL: tests/unit/test_phase_statements.py and the
 real-process tests do. Where the fake models a statement it follows that statement's WHERE
-clause (app/idempotency/store.py), so a decision tested here is tested
+clause (app/idempotency/key_table.py), so a decision tested here is tested
 against the same rules the database applies.
 """
 
@@ -30,13 +30,13 @@ from types import SimpleNamespace
 from typing import Any
 
 from app.config import Settings
-from app.idempotency import store as keys
+from app.idempotency import key_table
 from app.idempotency.keys import derived_key, end_to_end_reference
-from app.idempotency.store import KeyRow, Lease, LeaseLost
+from app.idempotency.key_table import KeyRow, Lease, LeaseLost
 from app.machine import engine, matrix
 from app.machine.declare import Operation
-from app.payments import phases, service
-from app.payments import store as payments
+from app.payments import phases, submission
+from app.payments import payment_table
 from app.payments.models import Payment, PaymentRequest, PaymentView, fee_for
 from app.payments.payment import PAYMENT
 from app.payments.recovery_points import (
@@ -151,7 +151,7 @@ class FakeSystem:
         return await self._answer("find_transfer", end_to_end_reference)
 
     def deduplicates(self, payment: Payment) -> bool:
-        # Synchronous, like app.rails.client.Rail.deduplicates: configuration
+        # Synchronous, like app.rails.gateways.Rail.deduplicates: configuration
         # (RAIL_LEGACY_ACCOUNTS), not a call. Payouts to LEGACY_IBAN are legacy.
         return payment.beneficiary_iban != LEGACY_IBAN
 
@@ -197,9 +197,9 @@ class FakeDB:
             phases.record_charge: ("record_charge", self._record_charge),
             phases.record_transfer: ("record_transfer", self._record_transfer),
             phases.record_refund: ("record_refund", self._record_refund),
-            keys.load: ("keys.load", self._load),
-            keys.claim_recheck: ("keys.claim_recheck", self._claim_recheck),
-            payments.get: ("payments.get", self._get),
+            key_table.load: ("key_table.load", self._load),
+            key_table.claim_recheck: ("key_table.claim_recheck", self._claim_recheck),
+            payment_table.get: ("payment_table.get", self._get),
         }
 
     @property
@@ -251,7 +251,7 @@ class FakeDB:
         finished = recovery_point == FINISHED
         self.keys[(CLIENT, KEY)] = _Key(
             endpoint=PAYMENT.endpoint,
-            request_hash=request_hash if request_hash is not None else service.fingerprint(REQUEST),
+            request_hash=request_hash if request_hash is not None else submission.fingerprint(REQUEST),
             state="finished" if finished else "started",
             recovery_point=recovery_point,
             payment_id=payment.id,

@@ -13,8 +13,8 @@ from pydantic import ValidationError
 from app import iban
 from app.config import Settings
 from app.payments.models import PaymentRequest
-from app.payments.service import fingerprint
-from app.rails.client import Rail
+from app.payments.submission import fingerprint
+from app.rails.gateways import Rail
 
 PAYMENTS = str(Path(sys.executable).parent / "payments")
 ANY_POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"  # never reached by these tests

@@ -9,7 +9,7 @@ from app.idempotency.keys import (
     InvalidIdempotencyKey, derived_key, end_to_end_reference, parse_idempotency_key, request_fingerprint,
 )
 from app.payments.models import PaymentRequest, fee_for
-from app.payments.service import fingerprint
+from app.payments.submission import fingerprint
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.idempotency import store
+from app.idempotency import key_table
 from app.machine.statements import Statement, reads_of
 from app.outbox import events
 from app.payments import phases, returns
@@ -25,7 +25,7 @@ STATEMENTS = {
     for name, value in vars(module).items()
     if isinstance(value, Statement)
 }
-FENCES = {"claim": store.CLAIM_SQL, "advance": store.ADVANCE_SQL, "finish": store.FINISH_SQL}
+FENCES = {"claim": key_table.CLAIM_SQL, "advance": key_table.ADVANCE_SQL, "finish": key_table.FINISH_SQL}
 
 
 def test_every_phase_of_both_operations_is_a_statement_built_here():

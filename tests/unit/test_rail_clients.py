@@ -12,7 +12,7 @@ import httpx
 import pytest
 import respx
 
-from app.rails.client import PSP
+from app.rails.gateways import PSP
 from app.rails.answers import Charge
 from app.rails.outcomes import Applied, NotApplied, NotFound, Unknown
 

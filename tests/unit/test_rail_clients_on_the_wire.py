@@ -4,7 +4,7 @@ Each test starts a tiny TCP server on loopback that answers the way a real
 PSP, rail, proxy or broken network might, and calls it with the client built
 exactly as `app/services.py` builds it (`app.rails.transport.http_client`,
 aiohttp underneath httpx). What comes back must be one of the outcomes of
-app/rails/outcomes.py, by the allow-list in app/rails/client.py:
+app/rails/outcomes.py, by the allow-list in app/rails/gateways.py:
 
     applied      only a 2xx whose body is a documented answer with a final status
     not applied  only when nothing can have been done: a refused connection,
@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from app.rails.answers import Charge, Transfer
-from app.rails.client import PSP, Rail
+from app.rails.gateways import PSP, Rail
 from app.rails.outcomes import Applied, NotApplied, NotFound, Unknown
 from app.rails.transport import http_client
 

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.idempotency.store import LeaseLost
+from app.idempotency.key_table import LeaseLost
 from app.machine import engine
 from app.payments.machines import BY_ENDPOINT
 from app.payments.payment import PAYMENT
@@ -201,7 +201,7 @@ async def test_heal_whose_probe_is_still_settling_writes_nothing_more(db):
     psp = FakeSystem("psp", find_charge=[SETTLING])
 
     assert await engine.heal(fakes.services(psp), BY_ENDPOINT, CLIENT, KEY) is None
-    assert db.names == ["keys.claim_recheck", "keys.load", "load payment"]
+    assert db.names == ["key_table.claim_recheck", "key_table.load", "load payment"]
     assert db.row().parked and db.row().attempts == 3
 
 
@@ -377,7 +377,7 @@ async def test_heal_probes_nothing_when_the_recheck_is_not_ours(db):
     psp = FakeSystem("psp")
 
     assert await engine.heal(fakes.services(psp), BY_ENDPOINT, CLIENT, KEY) is None
-    assert db.names == ["keys.claim_recheck"]
+    assert db.names == ["key_table.claim_recheck"]
     assert psp.calls == []
 
 
@@ -387,7 +387,7 @@ async def test_heal_leaves_a_legacy_payout_to_reconciliation_unprobed(db):
     rail = FakeSystem("rail")
 
     assert await engine.heal(fakes.services(rail=rail), BY_ENDPOINT, CLIENT, KEY) is None
-    assert db.names == ["keys.claim_recheck", "keys.load", "load payment"]
+    assert db.names == ["key_table.claim_recheck", "key_table.load", "load payment"]
     assert rail.calls == []
     assert db.row().parked
 
@@ -398,7 +398,7 @@ async def test_heal_whose_probe_is_still_unknown_writes_nothing_more(db):
     psp = FakeSystem("psp", find_charge=[Unknown("psp: 503")])
 
     assert await engine.heal(fakes.services(psp), BY_ENDPOINT, CLIENT, KEY) is None
-    assert db.names == ["keys.claim_recheck", "keys.load", "load payment"]  # the claim, a read, and nothing written after
+    assert db.names == ["key_table.claim_recheck", "key_table.load", "load payment"]  # the claim, a read, and nothing written after
     assert psp.names == ["find_charge"]
     row = db.row()
     assert row.parked and row.attempts == 3
@@ -423,7 +423,7 @@ async def test_heal_whose_probe_answers_unparks_then_drives(db, found, psp_scrip
     result = await engine.heal(fakes.services(psp, rail), BY_ENDPOINT, CLIENT, KEY)
 
     assert result == Finished(201, db.row().response_body)
-    assert db.names == ["keys.claim_recheck", "keys.load", "load payment", "unpark", "record_charge", "record_transfer"]
+    assert db.names == ["key_table.claim_recheck", "key_table.load", "load payment", "unpark", "record_charge", "record_transfer"]
     assert psp.names == psp_calls
     assert db.payments[db.row().payment_id].status == "succeeded"
 
@@ -439,5 +439,5 @@ async def test_heal_that_loses_the_unpark_to_another_actor_drives_nothing(db):
     psp = FakeSystem("psp", find_charge=[answered_while_reconciliation_took_it_back])
 
     assert await engine.heal(fakes.services(psp), BY_ENDPOINT, CLIENT, KEY) is None
-    assert db.names == ["keys.claim_recheck", "keys.load", "load payment", "unpark"]
+    assert db.names == ["key_table.claim_recheck", "key_table.load", "load payment", "unpark"]
     assert psp.names == ["find_charge"]

@@ -1,7 +1,7 @@
 """submit_payment's response matrix, one row per test, in milliseconds.
 
 The response matrix (app/machine/matrix.py, reached through
-app/payments/service.py) decides from the stored key row alone what a POST
+app/payments/submission.py) decides from the stored key row alone what a POST
 gets: a claim and a drive, a 422, a replay, a 202, a 409 or a takeover. The
 real-process tests (tests/integration, tests/crash) prove each row against
 PostgreSQL and the fake rails; these prove the decision itself, with the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.payments import service
+from app.payments import submission
 from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, FINISHED
 from app.machine.engine import Finished, Pending
 from app.machine.matrix import Reply
@@ -36,7 +36,7 @@ def db(monkeypatch):
 
 
 def submit(services, row):
-    return service.submit_payment(services, CLIENT, KEY, REQUEST, row=row)
+    return submission.submit_payment(services, CLIENT, KEY, REQUEST, row=row)
 
 
 def assert_in_progress(exc_info) -> None:
@@ -186,7 +186,7 @@ async def test_a_concurrent_first_attempt_makes_handler1_return_none_and_the_sto
             assert_in_progress(exc_info)
         else:
             assert exc_info.value.problem is IDEMPOTENCY_KEY_REUSED
-    assert db.names == ["handler1", "keys.load"]
+    assert db.names == ["handler1", "key_table.load"]
     assert psp.calls == []
 
 
@@ -199,7 +199,7 @@ async def test_a_claimed_row_that_vanished_before_the_re_read_is_409(db):
         await submit(fakes.services(), row=None)
 
     assert_in_progress(exc_info)
-    assert db.names == ["handler1", "keys.load"]
+    assert db.names == ["handler1", "key_table.load"]
 
 
 async def test_a_lease_lost_while_driving_is_409_and_writes_nothing_more(db):

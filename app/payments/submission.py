@@ -1,7 +1,6 @@
-"""The payment service the routes call (app/api/routes.py): submit a payment, and read one back.
+"""Submitting a payment, as POST /v1/payments does (app/api/routes.py): its fingerprint, then the matrix.
 
-Submitting is the payment's fingerprint, then the engine's response matrix
-on the payment's machine. The matrix
+The response matrix runs on the payment's machine. The matrix
 (app/machine/matrix.py, docs/response-matrix.md) is the same for
 every operation:
 
@@ -17,18 +16,12 @@ every operation:
 
 from __future__ import annotations
 
-import uuid
-
-from app.db.transaction import read
-from app.idempotency import store as keys
 from app.idempotency.keys import request_fingerprint
-from app.idempotency.store import KeyRow
+from app.idempotency.key_table import KeyRow
 from app.machine import matrix
 from app.machine.engine import Finished
 from app.machine.matrix import Reply
-from app.outbox import events
-from app.payments import store as payments
-from app.payments.models import Payment, PaymentRequest
+from app.payments.models import PaymentRequest
 from app.payments.payment import PAYMENT
 from app.services import Services
 
@@ -49,19 +42,3 @@ async def submit_payment(
     """`row` is what the client stored under `key`, read (with its authentication) just before."""
     return await matrix.submit(services, PAYMENT, client_id, key, fingerprint(request), row=row, request=request)
 
-
-async def find_payment(services: Services, client_id: int, payment_id: uuid.UUID) -> Payment | None:
-    """The payment, only if it is `client_id`'s (another client's is not found, never forbidden)."""
-    return await read(services.engine, payments.get, client_id, payment_id)
-
-
-async def find_key(services: Services, client_id: int, key: str) -> KeyRow | None:
-    """What `client_id` stored under `key`: the operation's state machine row and its timeline."""
-    return await read(services.engine, keys.load, client_id, key)
-
-
-async def events_after(
-    services: Services, client_id: int, after: uuid.UUID | None, limit: int
-) -> list[events.Event]:
-    """The client's events after `after`, oldest first, at most `limit` (app/outbox/events.py::feed)."""
-    return await read(services.engine, events.feed, client_id, after, limit)
