@@ -3,8 +3,9 @@
 Where it sits: inside the phase that decides. Every statement that finishes
 an operation ends with EMIT_SQL (appended by app/machine/statements.py),
 which reads from the fence, so the event commits with its decision or not
-at all, and a stale owner writes none; parking, a short transaction of its
-own, calls `emit`. The webhook dispatcher (app/workers/webhooks.py) and
+at all, and a stale owner writes none; the decisions made by a transaction
+rather than one statement (parking, recording a return) call `emit` inside
+it. The webhook dispatcher (app/workers/webhooks.py) and
 `GET /v1/events` (`feed`) read what is written here.
 docs/outbox-inbox.md#1-events-written-with-the-decision says which phase
 writes which type, and what an event holds.
