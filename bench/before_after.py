@@ -145,12 +145,12 @@ class Side:
 
 
 def ratio(after: float, before: float) -> float | None:
-    return after / before if before else None
+    return round(after / before, 4) if before else None
 
 
 def median(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
+    return round(statistics.median(present), 4) if present else None
 
 
 def summary(measured: list[dict[str, Side]]) -> dict[str, Any]:
