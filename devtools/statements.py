@@ -33,7 +33,8 @@ Each statement is built by [app/machine/statements.py](../../app/machine/stateme
 from one fence (the key row's claim, advance or finish, from
 [app/idempotency/key_table.py](../../app/idempotency/key_table.py)), the phase's own
 writes (written beside the phase, in [app/payments/phases.py](../../app/payments/phases.py)
-and [app/payments/returns.py](../../app/payments/returns.py)) and, in every
+and [app/payments/returns.py](../../app/payments/returns.py), whose refund of a
+returned payout runs the payment's own `CHARGE_REFUNDED`) and, in every
 statement that finishes an operation, the outbox's event and webhook delivery
 ([app/outbox/events.py](../../app/outbox/events.py)). Every write reads from the
 fence, or from a write that does: a statement run by an owner whose lease was

@@ -237,10 +237,12 @@ async def record_transfer(
 
 # --- EXT3's outcome: the compensating refund -> finished (failed) ----------------------------------
 
+# The charge refunded: the payment ends `failed` (its payout was rejected),
+# or `refunded` (its payout was returned: app/payments/returns.py).
 CHARGE_REFUNDED = finish(
     updated="""
         UPDATE payment
-           SET status = 'failed', psp_refund_id = :refund_id, updated_at = now()
+           SET status = :status, psp_refund_id = :refund_id, updated_at = now()
           FROM fence
          WHERE payment.id = fence.payment_id
         RETURNING payment.*
@@ -262,7 +264,7 @@ async def record_refund(
     """
     failed = replace(op.subject, status="failed", psp_refund_id=refund.id)
     return await _finish(
-        conn, op, CHARGE_REFUNDED, failed, event="charge refunded", refund_id=refund.id,
+        conn, op, CHARGE_REFUNDED, failed, event="charge refunded", status=failed.status, refund_id=refund.id,
         **postings.legs("charge_refunded", postings.charge_refunded(op.subject)),
     )
 

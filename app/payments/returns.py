@@ -73,9 +73,8 @@ from app.machine import engine
 from app.machine.crash import reached
 from app.machine.declare import FINISHED, Call, Machine, Operation, Start
 from app.machine.engine import Finished, Pending
-from app.machine.statements import finish
 from app.outbox import events
-from app.payments import payment_table
+from app.payments import payment_table, phases
 from app.payments.models import Payment, PaymentView
 from app.payments.recovery_points import EXT4_SENT, STEP_RETURN_REFUND
 from app.problems import RETURN_TOO_EARLY, ProblemError
@@ -306,18 +305,10 @@ async def _apply(conn: AsyncConnection, payment: Payment, line: ReturnLine, leas
 
 
 # --- EXT4's outcome: the card refunded -> finished (refunded) ---------------------------------------
-
-# The fence is the compensation's own key row; its payment_id is the returned payment.
-RETURN_REFUNDED = finish(
-    updated="""
-        UPDATE payment
-           SET status = 'refunded', psp_refund_id = :refund_id, updated_at = now()
-          FROM fence
-         WHERE payment.id = fence.payment_id
-        RETURNING payment.*
-    """,
-    posted=postings.POSTED,
-)
+#
+# The same statement as the refund of a rejected payout (phases.CHARGE_REFUNDED),
+# ending the payment `refunded`. Its fence is the compensation's own key row,
+# whose payment_id is the returned payment.
 
 
 async def record_return_refund(
@@ -335,8 +326,9 @@ async def record_return_refund(
     """
     refunded = replace(op.subject, status="refunded", psp_refund_id=refund.id)
     return await engine.finish(
-        conn, op, RETURN_REFUNDED, status_code=201, body=PaymentView.of(refunded).body(),
-        event="charge refunded after the return", event_type=events.REFUNDED, refund_id=refund.id,
+        conn, op, phases.CHARGE_REFUNDED, status_code=phases.FINAL_STATUS_CODE, body=PaymentView.of(refunded).body(),
+        event="charge refunded after the return", event_type=events.REFUNDED, status=refunded.status,
+        refund_id=refund.id,
         **postings.legs("charge_refunded", postings.charge_refunded(op.subject)),
     )
 

@@ -32,7 +32,7 @@ def test_every_phase_of_both_operations_is_a_statement_built_here():
     assert set(STATEMENTS) == {
         "app.payments.phases.HANDLER1", "app.payments.phases.CHARGE_CAPTURED", "app.payments.phases.CHARGE_DECLINED",
         "app.payments.phases.PAYOUT_SENT", "app.payments.phases.PAYOUT_REJECTED",
-        "app.payments.phases.CHARGE_REFUNDED", "app.payments.returns.RETURN_REFUNDED",
+        "app.payments.phases.CHARGE_REFUNDED",
     }
 
 
