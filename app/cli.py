@@ -96,9 +96,11 @@ LIMIT_CONCURRENCY = 1000
 def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = True) -> None:
     """Serve the app that `factory` ("module:function") builds, with the settings and bounds of `payments api`.
 
-    Refuses to start (exit 2) on a missing DATABASE_URL or a bad setting.
-    `metered`: serve /metrics from every worker process (the multiprocess
-    directory is prepared here). The naive twin (naive_twin/cli.py) is
+    Refuses to start (exit 2) on a missing DATABASE_URL, a bad setting or a
+    taken API_METRICS_PORT. `metered`: count in every worker process (the
+    multiprocess directory is prepared here) and serve /metrics, from this
+    process, on API_METRICS_HOST:API_METRICS_PORT, never on the public port.
+    The naive twin (naive_twin/cli.py) is
     served through this too, so the bench compares the two flows and not
     two servers.
     """
@@ -110,9 +112,19 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
     # process writes its metrics to files in this directory, and /metrics
     # adds them up (app/observability/multiproc.py).
     made_dir = None
+    stop_metrics = None
     if metered and settings.metrics_enabled:
         path, made = multiproc.prepare()
         made_dir = path if made else None
+        try:
+            stop_metrics = multiproc.serve(settings.api_metrics_host, settings.api_metrics_port)
+        except OSError as exc:
+            if made_dir is not None:
+                multiproc.remove(made_dir)
+            Console(stderr=True).print(f"cannot serve metrics on API_METRICS_HOST:API_METRICS_PORT "
+                          f"({settings.api_metrics_host}:{settings.api_metrics_port}): {exc.strerror or exc}",
+                          style="red", soft_wrap=True, markup=False, highlight=False)
+            raise typer.Exit(2) from None
     import uvicorn
 
     # Each worker process calls the factory, so each builds its own engine
@@ -132,6 +144,8 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
             log_config=logs.dict_config(settings.log_format, settings.log_level),
         )
     finally:
+        if stop_metrics is not None:
+            stop_metrics()
         if made_dir is not None:
             multiproc.remove(made_dir)
 

@@ -152,11 +152,14 @@ class Settings(BaseSettings):
     # Deliveries one worker has in flight at once.
     webhook_concurrency: int = Field(default=16, ge=1)
     # What the service tells its operators (docs/operations.md). Metrics:
-    # /metrics on the API, and the worker's own on WORKER_METRICS_HOST:PORT
-    # (the worker has no other HTTP face); false turns both off. Logs:
+    # the API's /metrics on API_METRICS_HOST:PORT, a port of its own and never
+    # the public one (anyone who reaches the API would read them), and the
+    # worker's on WORKER_METRICS_HOST:PORT; false turns both off. Logs:
     # LOG_FORMAT json (one object per line) or console (readable; what
     # `make run` uses); LOG_LEVEL for the service's own loggers.
     metrics_enabled: bool = True
+    api_metrics_host: str = "127.0.0.1"
+    api_metrics_port: int = Field(default=8201, ge=1, le=65535)
     worker_metrics_host: str = "127.0.0.1"
     worker_metrics_port: int = Field(default=8200, ge=1, le=65535)
     log_format: Literal["json", "console"] = "json"
