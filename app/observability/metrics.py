@@ -60,6 +60,12 @@ PROBLEMS = Counter(
     "idempotency-key-reused the 422s, service-unavailable the 503s).",
     ["problem"], registry=REGISTRY,
 )
+REFUSED = Counter(
+    "payments_http_refused",
+    "Connections and requests the HTTP protocol refused before the application answered them, by reason "
+    "(head_too_large, head_timeout, body_timeout, peer_connections).",
+    ["reason"], registry=REGISTRY,
+)
 REPLAYS = Counter(
     "payments_replays",
     "Retries of finished payments answered with the stored response, by what answered them.",
