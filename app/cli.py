@@ -83,22 +83,24 @@ def api(
 
 # Server-level bounds on what a client can make a process hold (README.md#bounds-on-input):
 # idle kept-alive connections are closed after TIMEOUT_KEEP_ALIVE seconds; past
-# LIMIT_CONCURRENCY open connections (or requests in progress) a process answers
-# 503 instead of taking more. The request head is bounded in size and time by
-# app/api/http_protocol.py (httptools itself bounds neither; uvicorn's
-# h11_max_incomplete_event_size would bound the size only under --http h11,
-# which costs more CPU per request and is not used), the body by
-# app/api/body_limit.py.
+# LIMIT_CONCURRENCY open connections (or requests in progress; a setting) a
+# process answers 503 instead of taking more. uvicorn has these two; what it
+# has not, app/api/http_protocol.py adds: the head bounded in size and time
+# (httptools bounds neither; uvicorn's h11_max_incomplete_event_size would
+# bound the size only under --http h11, which costs more CPU per request and
+# is not used), the body in time (BODY_TIMEOUT_SECONDS), the connections of
+# one peer (MAX_CONNECTIONS_PER_PEER). The body's size: app/api/body_limit.py.
 TIMEOUT_KEEP_ALIVE = 5
-LIMIT_CONCURRENCY = 1000
 
 
 def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = True) -> None:
     """Serve the app that `factory` ("module:function") builds, with the settings and bounds of `payments api`.
 
-    Refuses to start (exit 2) on a missing DATABASE_URL or a bad setting.
-    `metered`: serve /metrics from every worker process (the multiprocess
-    directory is prepared here). The naive twin (naive_twin/cli.py) is
+    Refuses to start (exit 2) on a missing DATABASE_URL, a bad setting or a
+    taken API_METRICS_PORT. `metered`: count in every worker process (the
+    multiprocess directory is prepared here) and serve /metrics, from this
+    process, on API_METRICS_HOST:API_METRICS_PORT, never on the public port.
+    The naive twin (naive_twin/cli.py) is
     served through this too, so the bench compares the two flows and not
     two servers.
     """
@@ -110,11 +112,26 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
     # process writes its metrics to files in this directory, and /metrics
     # adds them up (app/observability/multiproc.py).
     made_dir = None
+    stop_metrics = None
     if metered and settings.metrics_enabled:
         path, made = multiproc.prepare()
         made_dir = path if made else None
+        try:
+            stop_metrics = multiproc.serve(settings.api_metrics_host, settings.api_metrics_port)
+        except OSError as exc:
+            if made_dir is not None:
+                multiproc.remove(made_dir)
+            Console(stderr=True).print(f"cannot serve metrics on API_METRICS_HOST:API_METRICS_PORT "
+                          f"({settings.api_metrics_host}:{settings.api_metrics_port}): {exc.strerror or exc}",
+                          style="red", soft_wrap=True, markup=False, highlight=False)
+            raise typer.Exit(2) from None
+    import functools
+
     import uvicorn
 
+    from app.api.http_protocol import Bounds, BoundedHttpToolsProtocol
+
+    bounds = Bounds(settings.body_timeout_seconds, settings.max_connections_per_peer, tuple(settings.trusted_proxies))
     # Each worker process calls the factory, so each builds its own engine
     # and HTTP client after the fork: nothing pooled is shared across processes.
     # On SIGTERM uvicorn stops accepting and gives requests in flight this long
@@ -124,14 +141,20 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
         uvicorn.run(
             factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False,
             timeout_graceful_shutdown=settings.shutdown_grace_seconds,
-            # An import string, so each worker process imports it itself.
-            http="app.api.http_protocol:BoundedHttpToolsProtocol",
+            # Pickled into each worker process (uvicorn spawns them): the
+            # class by its import path, the bounds by value.
+            http=functools.partial(BoundedHttpToolsProtocol, bounds=bounds),
             timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
-            limit_concurrency=LIMIT_CONCURRENCY,
+            limit_concurrency=settings.limit_concurrency,
+            # Whose X-Forwarded-For is believed; the same proxies are not
+            # counted as one peer (app/api/http_protocol.py).
+            forwarded_allow_ips=settings.trusted_proxies,
             # Applied by uvicorn in every worker process: LOG_FORMAT, LOG_LEVEL.
             log_config=logs.dict_config(settings.log_format, settings.log_level),
         )
     finally:
+        if stop_metrics is not None:
+            stop_metrics()
         if made_dir is not None:
             multiproc.remove(made_dir)
 

@@ -6,6 +6,7 @@ app with explicit settings and several apps can live in one process.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Literal
 
@@ -99,6 +100,20 @@ class Settings(BaseSettings):
     # route answers them.
     replay_shortcut: bool = True
     db_pool_size: int = Field(default=20, ge=1)
+    # What one client can make an API process hold (README.md#bounds-on-input,
+    # app/api/http_protocol.py). A request body must arrive within
+    # BODY_TIMEOUT_SECONDS of its headers (408 after it). One peer (an IPv4
+    # address, or an IPv6 /64) may hold MAX_CONNECTIONS_PER_PEER connections
+    # at once per process (429 past it), except the trusted proxies of
+    # FORWARDED_ALLOW_IPS: every connection of a balancer comes from its own
+    # address, and behind one the per-client bounds are the balancer's
+    # (devtools/nginx.py). The same list is whose X-Forwarded-For uvicorn
+    # believes. Past LIMIT_CONCURRENCY connections or requests in all, a
+    # process answers 503.
+    body_timeout_seconds: float = Field(default=10.0, gt=0)
+    max_connections_per_peer: int = Field(default=100, ge=1)
+    forwarded_allow_ips: str = "127.0.0.1,::1"
+    limit_concurrency: int = Field(default=1000, ge=1)
     # The replay shortcut's own asyncpg pool (app/fastpath/lookup_pool.py):
     # one short read per POST, so a few connections serve many requests.
     db_lookup_pool_size: int = Field(default=4, ge=1)
@@ -152,11 +167,14 @@ class Settings(BaseSettings):
     # Deliveries one worker has in flight at once.
     webhook_concurrency: int = Field(default=16, ge=1)
     # What the service tells its operators (docs/operations.md). Metrics:
-    # /metrics on the API, and the worker's own on WORKER_METRICS_HOST:PORT
-    # (the worker has no other HTTP face); false turns both off. Logs:
+    # the API's /metrics on API_METRICS_HOST:PORT, a port of its own and never
+    # the public one (anyone who reaches the API would read them), and the
+    # worker's on WORKER_METRICS_HOST:PORT; false turns both off. Logs:
     # LOG_FORMAT json (one object per line) or console (readable; what
     # `make run` uses); LOG_LEVEL for the service's own loggers.
     metrics_enabled: bool = True
+    api_metrics_host: str = "127.0.0.1"
+    api_metrics_port: int = Field(default=8201, ge=1, le=65535)
     worker_metrics_host: str = "127.0.0.1"
     worker_metrics_port: int = Field(default=8200, ge=1, le=65535)
     log_format: Literal["json", "console"] = "json"
@@ -192,6 +210,26 @@ class Settings(BaseSettings):
         # An entry that is not an IBAN refuses start-up rather than being
         # silently never matched.
         return ",".join(sorted(normalise_all(value)))
+
+    @property
+    def trusted_proxies(self) -> list[str]:
+        """FORWARDED_ALLOW_IPS as a list: addresses and networks, or ["*"] for any."""
+        entries = [entry.strip() for entry in self.forwarded_allow_ips.split(",") if entry.strip()]
+        return ["*"] if "*" in entries else entries
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _addresses_or_networks(cls, value: str) -> str:
+        # uvicorn takes an entry that is not an address as a literal that
+        # never matches: a typo would silently trust nobody, and throttle
+        # the balancer as if it were one client.
+        for entry in (e.strip() for e in value.split(",")):
+            if entry and entry != "*":
+                try:
+                    ipaddress.ip_network(entry)
+                except ValueError:
+                    raise ValueError(f"{entry!r} is not an IP address or network (e.g. 10.0.0.0/8), nor *") from None
+        return value
 
     @field_validator("operator_token")
     @classmethod

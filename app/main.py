@@ -13,7 +13,6 @@ from app.api import errors
 from app.api.body_limit import BodyLimit
 from app.api.in_flight import InFlight, TrackInFlight
 from app.api.metrics import RequestMetrics
-from app.api.metrics import router as metrics_router
 from app.api.rail_notifications import router as rail_router
 from app.api.routes import router
 from app.console import routes as console
@@ -99,9 +98,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(TrackInFlight, in_flight=in_flight)
     if settings.metrics_enabled:
         # Outermost of all: every answer is counted, the shortcut's and the
-        # body cap's too (app/api/metrics.py); /metrics for Prometheus.
+        # body cap's too (app/api/metrics.py). /metrics is served by
+        # `payments api` on a port of its own, never here (app/cli.py).
         app.add_middleware(RequestMetrics)
-        app.include_router(metrics_router)
     _document_the_api_as_it_answers(app)
     return app
 

@@ -83,8 +83,16 @@ REQUEST_HEADER_TOO_LARGE = _t(
 )
 REQUEST_TIMEOUT = _t(
     "request-timeout", 408, "Request Timeout",
-    "The request's headers did not arrive within 10 seconds. The connection was closed and "
+    "The request's headers did not arrive within 10 seconds, or its body within "
+    "BODY_TIMEOUT_SECONDS (10 by default) of its headers. The connection was closed and "
     "nothing was stored; send the request again, all at once.",
+)
+TOO_MANY_CONNECTIONS = _t(
+    "too-many-connections", 429, "Too many connections from your address",
+    "Your address already holds MAX_CONNECTIONS_PER_PEER connections to this API process "
+    "(100 by default; an IPv6 address counts with its /64). This one was closed at once, "
+    "before anything was read. Reuse the connections you hold (HTTP keep-alive) instead of "
+    "opening more; nothing was stored.",
 )
 METHOD_NOT_ALLOWED = _t(
     "method-not-allowed", 405, "Method not allowed", "This path does not accept this HTTP method."
@@ -133,6 +141,7 @@ CATALOGUE: dict[str, ProblemType] = {
     for t in (
         IDEMPOTENCY_KEY_MISSING, IDEMPOTENCY_KEY_INVALID, INVALID_REQUEST, UNAUTHENTICATED,
         NOT_FOUND, METHOD_NOT_ALLOWED, REQUEST_TIMEOUT, PAYLOAD_TOO_LARGE, REQUEST_HEADER_TOO_LARGE,
+        TOO_MANY_CONNECTIONS,
         REQUEST_IN_PROGRESS, DUPLICATE_PAYMENT,
         IDEMPOTENCY_KEY_REUSED, INTERNAL_ERROR, SERVICE_UNAVAILABLE, KEY_TABLE_UNAVAILABLE,
         RAIL_UNAUTHENTICATED, INVALID_NOTIFICATION, RETURN_TOO_EARLY,

@@ -18,6 +18,16 @@ what makes it worth having in front of a payment service:
   SIGSTOP (a GC pause, a stalled VM), is given up on quickly, and the request
   re-sent elsewhere while the frozen one still holds its lease.
 
+Behind nginx every connection a replica sees comes from nginx, a trusted
+proxy (FORWARDED_ALLOW_IPS) that the replica does not bound as one peer
+(app/api/http_protocol.py); so the bounds per client are nginx's own:
+`limit_conn` caps the requests one client address has in progress (429
+past it), `client_header_timeout` and `client_body_timeout` cut off a
+client whose head or body stops coming (nginx closes the connection, 408 in
+its log). nginx reads a whole body before it sends the request on
+(`proxy_request_buffering`, on by default), so a slow body never reaches a
+replica at all. README.md#bounds-on-input has both sets of bounds.
+
 The access log records, per request, when it ended, how long it took, which
 replicas it went to (`$upstream_addr`, "a, b" when it was re-sent) and the
 Idempotency-Key: the soak reads it to find the payments a replica was
@@ -39,6 +49,14 @@ LOG_FORMAT = '$msec $request_time $status "$upstream_addr" "$upstream_status" $r
 # nginx's master drops to this user for its workers when started as root; we
 # start the master itself as it, so no part of it runs as root.
 UNPRIVILEGED_USER = "nobody"
+
+# Requests one client address may have in progress at once (nginx counts a
+# connection once its head is read). The soak's clients, all on 127.0.0.1,
+# keep at most 64 connections.
+PER_CLIENT_CONNECTIONS = 100
+# Between two reads of a client's head, or of its body: the API's own
+# deadlines are 10 s for each.
+CLIENT_TIMEOUT = "10s"
 
 CONNECT_TIMEOUT = "1s"
 # Longer than a normal payment (a few hundred ms), shorter than a stranded
@@ -82,6 +100,14 @@ http {{
     fastcgi_temp_path {d}/fastcgi;
     uwsgi_temp_path {d}/uwsgi;
     scgi_temp_path {d}/scgi;
+
+    # The bounds per client (the replicas see only nginx): see the docstring.
+    limit_conn_zone $binary_remote_addr zone=per_client:10m;
+    limit_conn per_client {PER_CLIENT_CONNECTIONS};
+    limit_conn_status 429;
+    limit_conn_log_level warn;
+    client_header_timeout {CLIENT_TIMEOUT};
+    client_body_timeout {CLIENT_TIMEOUT};
 
     upstream payments_api {{
 {servers}

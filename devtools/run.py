@@ -56,6 +56,7 @@ def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant
     # log format, unless LOG_FORMAT says otherwise (README.md#configuration).
     system = System(environ={"LOG_FORMAT": "console"} | dict(os.environ, OPERATOR_TOKEN=operator_token))
     metrics_port = os.environ.get("WORKER_METRICS_PORT", "8200")
+    api_metrics_port = os.environ.get("API_METRICS_PORT", "8201")
 
     def start() -> None:
         url = open_database(system, console)
@@ -74,9 +75,10 @@ def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant
         notify_url = f"http://127.0.0.1:{api_port}/v1/rail/notifications"
         system.start_fakes(psp_port=psp_port, rail_port=rail_port, rail_args=("--notify-url", notify_url))
         system.start_merchant(port=merchant_port, secrets=[secret])
-        system.start_api("API", port=api_port)
+        system.start_api("API", port=api_port, API_METRICS_PORT=api_metrics_port)
         system.start_worker("worker", WORKER_METRICS_PORT=metrics_port)
-        _print_welcome(console, api_port, psp_port, rail_port, merchant_port, api_key, metrics_port=metrics_port)
+        _print_welcome(console, api_port, psp_port, rail_port, merchant_port, api_key, metrics_port=metrics_port,
+                       api_metrics_port=api_metrics_port)
         print_console_link(console, f"http://127.0.0.1:{api_port}", operator_token)
         console.print(STOP_HINT)
 
@@ -178,7 +180,7 @@ def demo_webhook_secret(url: str, webhook_url: str) -> str:
 
 
 def _print_welcome(console: Console, api_port: int, psp_port: int, rail_port: int, merchant_port: int,
-                   api_key: str, *, metrics_port: str = "8200") -> None:
+                   api_key: str, *, metrics_port: str = "8200", api_metrics_port: str = "8201") -> None:
     console.rule("[bold green]exactly-once payments is running")
     console.print(f"API        http://127.0.0.1:{api_port}   (OpenAPI UI: http://127.0.0.1:{api_port}/docs)")
     console.print(f"fake PSP   http://127.0.0.1:{psp_port}   (records: /_admin/charges)")
@@ -186,7 +188,7 @@ def _print_welcome(console: Console, api_port: int, psp_port: int, rail_port: in
                   "POST /_admin/return {\"end_to_end_reference\": ..., \"reason_code\": \"AC04\"})")
     console.print(f"merchant   http://127.0.0.1:{merchant_port}   (the demo client's webhooks: /_admin/received, /_admin/inbox)")
     console.print("worker     resumes any payment whose owner died, reconciles, delivers webhooks")
-    console.print(f"metrics    http://127.0.0.1:{api_port}/metrics (API), http://127.0.0.1:{metrics_port}/metrics "
+    console.print(f"metrics    http://127.0.0.1:{api_metrics_port}/metrics (API), http://127.0.0.1:{metrics_port}/metrics "
                   "(worker): docs/operations.md")
     print_pay_once(console, f"http://127.0.0.1:{api_port}", api_key)
 

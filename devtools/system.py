@@ -203,7 +203,14 @@ class System:
 
     def api_process(self, name: str = "api", *, port: int | None = None, command: str = "api",
                     args: Iterable[str] = (), **settings: str) -> Process:
-        """`payments api --port <port> <args>` (`command="naive-twin"`: `naive-twin --port ...`) with service_env(**settings)."""
+        """`payments api --port <port> <args>` (`command="naive-twin"`: `naive-twin --port ...`) with service_env(**settings).
+
+        Its /metrics is on a free port unless told one, in its environment
+        (`process.env["API_METRICS_PORT"]`): two APIs on one machine must not
+        ask for the same one.
+        """
+        if "API_METRICS_PORT" not in settings and "API_METRICS_PORT" not in self.settings:
+            settings["API_METRICS_PORT"] = str(free_port())
         port = port or free_port()
         program = [str(BIN / "payments"), "api"] if command == "api" else [str(BIN / command)]
         argv = [*program, "--port", str(port), *args]

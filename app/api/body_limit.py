@@ -5,7 +5,8 @@ in-flight tracking, outside the replay shortcut and FastAPI (app/main.py),
 so a body over the cap is refused before it is parsed or anyone is
 authenticated. A declared Content-Length is checked at once; a chunked body
 is counted as it arrives. docs/reference/http-edge.md#the-body-capped-before-anything-reads-it
-explains why, and why the connection is left open.
+explains why, and why the connection is left open (until BODY_TIMEOUT_SECONDS
+after the headers: app/api/http_protocol.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Where it sits: the handlers `install` puts on the app, which Starlette runs
 around the routes: our own ProblemError, request validation (400), HTTP
 exceptions (404, 405), the database going away (503 with Retry-After, as
-app/db/errors.py decides), and anything else as a bug's generic 500. The
+app/db/errors.py decides), a client gone before its body arrived (one INFO
+line, a 499 nobody receives), and anything else as a bug's generic 500. The
 middlewares outside them answer for themselves, with `problem_response` and
 `unavailable_response`. docs/reference/http-edge.md#errors-problemjson-and-where-each-is-caught
 explains which handler sees which exception.
@@ -21,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from sqlalchemy import exc as sa
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from app.db.errors import database_unavailable, describe, loggable, row_moved
 from app.observability import metrics
@@ -87,6 +89,9 @@ DATABASE_ERRORS: tuple[type[BaseException], ...] = (
 )
 # Used when the service's settings cannot be read (the app's start-up failed).
 DEFAULT_RETRY_AFTER_SECONDS = 1
+# nginx's status for "the client closed the connection before the answer":
+# what the request metrics record for a request whose body never came.
+CLIENT_CLOSED_REQUEST = 499
 
 
 def unavailable_response(request_path: str, exc: BaseException, retry_after: int) -> Response:
@@ -143,6 +148,13 @@ def install(app: FastAPI) -> None:
 
     for exc_type in DATABASE_ERRORS:
         app.add_exception_handler(exc_type, _database)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        # Anyone can do this as often as they like: a line with a traceback
+        # each time would let them fill the log; no line would hide it.
+        log.info("request body did not arrive (the client went away or was cut off): %s %s", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> Response:

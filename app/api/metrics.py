@@ -1,4 +1,4 @@
-"""Request metrics, and /metrics for Prometheus to scrape.
+"""Request metrics: every answer, timed and counted.
 
 Where it sits: `RequestMetrics` is the outermost of our middlewares
 (app/main.py), so it times every answer, those given before routing too (a
@@ -6,6 +6,8 @@ Where it sits: `RequestMetrics` is the outermost of our middlewares
 is away), and records it by route template, method and status in
 HTTP_REQUESTS (app/observability/metrics.py). docs/operations.md#every-metric
 says how the route label stays bounded, and which answers never reach here.
+/metrics itself is served by `payments api` on a port of its own
+(API_METRICS_PORT, app/observability/multiproc.py), never by the app.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
-
-from fastapi import APIRouter, Response
 
 from app.observability import metrics
 
@@ -27,19 +27,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 UNMATCHED = "unmatched"
 # A route without parameters is its own template: a request answered before
 # routing (the replay shortcut, the body cap) is labelled with it.
-_STATIC_ROUTES = frozenset({"/v1/payments", "/healthz", "/metrics", "/openapi.json", "/docs", "/redoc"})
+_STATIC_ROUTES = frozenset({"/v1/payments", "/healthz", "/openapi.json", "/docs", "/redoc"})
 # The method is the client's to choose: any other is `other`, or a client
 # could make a new series with every request.
 _METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
-
-router = APIRouter()
-
-
-@router.get("/metrics", include_in_schema=False)
-async def scrape() -> Response:
-    """Every metric of this API, added up over all its worker processes (docs/operations.md)."""
-    return Response(metrics.exposition(), media_type=metrics.CONTENT_TYPE)
-
 
 class RequestMetrics:
     """ASGI middleware: each HTTP request, timed and counted by route template, method and status."""

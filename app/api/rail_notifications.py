@@ -7,7 +7,8 @@ parses the message by the allow-list, and hands it to the service
 before the rail is answered; the compensating refund runs after the answer
 (`follow_up`, a background task). In the order it is decided:
 
-    signature missing, bad or stale      -> 401 rail-unauthenticated, nothing recorded
+    signature headers missing            -> 401 rail-unauthenticated at once, the body not read
+    signature bad or stale               -> 401 rail-unauthenticated, nothing recorded
     not a documented message or reason   -> 400 invalid-notification, nothing recorded
     transfer outcome not recorded yet    -> 409 return-too-early + Retry-After, nothing recorded
     seen before (the inbox key exists)   -> 200 duplicate (a stranded compensation is resumed)
@@ -60,6 +61,7 @@ def _problem_doc(*problems) -> dict[str, Any]:
 )
 async def rail_notification(request: Request, services: ServicesDep, background: BackgroundTasks) -> JSONResponse:
     settings = services.settings
+    _signed_at_all(settings.rail_notification_secret, request)
     body = await request.body()
     message_id = _verified(settings.rail_notification_secret, body, request)
     try:
@@ -83,11 +85,24 @@ async def rail_notification(request: Request, services: ServicesDep, background:
     )
 
 
+SIGNATURE_HEADERS = ("webhook-id", "webhook-timestamp", "webhook-signature")
+
+
+def _signed_at_all(secret: str | None, request: Request) -> None:
+    """401 before the body is read, when nothing could verify it: this path is open to anyone, and
+    reading up to 16 KiB sent a byte at a time would hold the connection until the body deadline."""
+    if secret is None:
+        raise ProblemError(RAIL_UNAUTHENTICATED, "no RAIL_NOTIFICATION_SECRET is configured: nothing can be verified")
+    missing = [name for name in SIGNATURE_HEADERS if not request.headers.get(name)]
+    if missing:
+        raise ProblemError(RAIL_UNAUTHENTICATED, f"signature not verified: missing {', '.join(missing)}")
+
+
 def _verified(secret: str | None, body: bytes, request: Request) -> str:
     """The message id, once the signature proves the rail sent this body; else 401."""
     if secret is None:
         raise ProblemError(RAIL_UNAUTHENTICATED, "no RAIL_NOTIFICATION_SECRET is configured: nothing can be verified")
-    headers = {name: request.headers.get(name, "") for name in ("webhook-id", "webhook-timestamp", "webhook-signature")}
+    headers = {name: request.headers.get(name, "") for name in SIGNATURE_HEADERS}
     try:
         Webhook(secret).verify(body, headers, json_parse=False)
     except (WebhookVerificationError, ValueError) as exc:

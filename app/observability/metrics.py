@@ -6,7 +6,8 @@ replay shortcut), the engine (app/machine/engine.py), the rail clients
 it. The API's processes add up to one view in prometheus_client's
 multiprocess mode, which reads PROMETHEUS_MULTIPROC_DIR when first imported,
 so the parent of `payments api` prepares it before anything imports this
-module (app/observability/multiproc.py). What every request records is
+module, and serves /metrics from the files on a port of its own
+(app/observability/multiproc.py). What every request records is
 added up here and written once a second (`flush`). docs/operations.md lists
 every metric and explains the bounded labels, the multiprocess files and
 the batching.
@@ -22,12 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector,
-    disable_created_metrics, generate_latest, multiprocess, start_http_server,
+    CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector,
+    disable_created_metrics, multiprocess, start_http_server,
 )
 
 MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # No `_created` series beside every counter and histogram: a second series
 # per label set that no query here needs (multiprocess mode has none anyway).
@@ -59,6 +59,12 @@ PROBLEMS = Counter(
     "problem+json answers, by problem type (request-in-progress and duplicate-payment are the 409s, "
     "idempotency-key-reused the 422s, service-unavailable the 503s).",
     ["problem"], registry=REGISTRY,
+)
+REFUSED = Counter(
+    "payments_http_refused",
+    "Connections and requests the HTTP protocol refused before the application answered them, by reason "
+    "(head_too_large, head_timeout, body_timeout, peer_connections).",
+    ["reason"], registry=REGISTRY,
 )
 REPLAYS = Counter(
     "payments_replays",
@@ -315,17 +321,7 @@ def worker() -> WorkerMetrics:
     return made
 
 
-# --- Exposition --------------------------------------------------------------------
-
-
-def exposition() -> bytes:
-    """The text a scrape of /metrics gets: every API process's values, added up, in multiprocess mode."""
-    flush()  # this process's counts up to now; the others' up to their last flush
-    if os.environ.get(MULTIPROC_DIR):
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
-        return generate_latest(registry)
-    return generate_latest(REGISTRY)
+# --- Leaving, and the worker's endpoint -------------------------------------------
 
 
 def process_exiting() -> None:

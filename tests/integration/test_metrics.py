@@ -1,10 +1,11 @@
 """/metrics, read as Prometheus reads it, after real payments through real processes.
 
 The API runs with `--workers 2`: each uvicorn process counts what it
-answered in its own files, and whichever process a scrape reaches adds them
-all up (app/observability/metrics.py). So the counts here are checked
-against what the test sent, scraped more than once, and split per process
-from the files themselves, which must show that both processes counted.
+answered in its own files, and `payments api` serves /metrics on a port of
+its own (API_METRICS_PORT, never the public one), adding them all up
+(app/observability/multiproc.py). So the counts here are checked against
+what the test sent, scraped more than once, and split per process from the
+files themselves, which must show that both processes counted.
 
 The worker serves its own /metrics on a port of its own; what it counts is
 checked after it recovers a crashed payment and while one is parked.
@@ -53,6 +54,11 @@ async def scrape(http: httpx.AsyncClient, url: str) -> Samples:
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def metrics_url(api) -> str:
+    """Where `payments api` serves its /metrics: its own port (devtools/system.py gives each API one)."""
+    return f"http://127.0.0.1:{api.env['API_METRICS_PORT']}"
 
 
 def requests(samples: Samples, status: str, route: str = PAYMENTS, method: str = "POST") -> float:
@@ -166,12 +172,12 @@ async def test_two_api_processes_count_payments_replays_409s_422s_parks_and_a_ta
     async def counted() -> Samples | None:
         nonlocal scrapes
         scrapes += 1
-        samples = await scrape(http, url)
+        samples = await scrape(http, metrics_url(api))
         return samples if requests(samples, "201") == 1 + 20 + 1 + 1 else None
 
     await until(counted, "both processes to have written their counts")
-    for _ in range(4):  # whichever process answers the scrape, the same sums
-        samples = await scrape(http, url)
+    for _ in range(4):  # scraped again and again, the same sums
+        samples = await scrape(http, metrics_url(api))
         scrapes += 1
         assert value(samples, "payments_started_total") == 3  # not 1003: the old files were removed
         assert value(samples, "payments_finished_total", status="succeeded") == 3
@@ -201,10 +207,15 @@ async def test_two_api_processes_count_payments_replays_409s_422s_parks_and_a_ta
     assert len(health) == 2
     assert sum(per_process(directory, "200", route="/healthz", method="GET")) == requests(
         samples, "200", route="/healthz", method="GET")
-    # A process that stops writes what it had not yet: every scrape is in
-    # the files, the last one too (counted after its answer was sent).
+    # The scrapes were not requests to the API: the public port never saw them.
+    assert not any(dict(labels).get("route") == "/metrics" for (_, labels) in samples)
+    # A process that stops writes what it had not yet: the requests of its
+    # last second are in the files too.
+    last = 5
+    for _ in range(last):
+        assert (await http.get(url + "/openapi.json")).status_code == 200
     api.stop()
-    assert sum(per_process(directory, "200", route="/metrics", method="GET")) == scrapes
+    assert sum(per_process(directory, "200", route="/openapi.json", method="GET")) == last
 
 
 async def test_the_worker_serves_its_own_metrics_of_what_it_recovered_and_what_is_parked(
@@ -268,9 +279,36 @@ async def test_the_backlog_is_what_a_sweep_would_take_and_how_long_the_oldest_ha
         await engine.dispose()
 
 
+async def test_metrics_are_not_on_the_public_port_but_on_their_own(http, stack, acme, processes):
+    api = processes.api("metered-default")
+    response = await http.post(api.url + PAYMENTS, json=payment_body(), headers=headers(acme, str(uuid.uuid4())))
+    assert response.status_code == 201
+
+    # Anyone who reaches the API would read every route's rates and every
+    # problem's count: the public port does not serve them.
+    public = await http.get(api.url + "/metrics")
+    assert public.status_code == 404
+    assert public.headers["content-type"] == "application/problem+json"
+
+    async def counted() -> bool:
+        return requests(await scrape(http, metrics_url(api)), "201") == 1
+
+    await until(counted, "the payment to be counted on the metrics port")
+
+
+def test_a_taken_api_metrics_port_refuses_to_start_the_api(processes):
+    api = processes.system.api_process("blocked")
+    with socket.create_server(("127.0.0.1", int(api.env["API_METRICS_PORT"]))):
+        result = subprocess.run(api.argv, env=api.env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "API_METRICS_PORT" in result.stderr
+
+
 async def test_payments_api_refuses_nothing_and_serves_no_metrics_with_metrics_disabled(http, stack, acme, processes):
     api = processes.api("unmetered", METRICS_ENABLED="false")
     assert (await http.get(api.url + "/metrics")).status_code == 404
+    with pytest.raises(httpx.ConnectError):
+        await http.get(metrics_url(api) + "/metrics")
     response = await http.post(api.url + PAYMENTS, json=payment_body(), headers=headers(acme, str(uuid.uuid4())))
     assert response.status_code == 201
 
