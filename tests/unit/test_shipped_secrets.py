@@ -2,16 +2,21 @@
 
 docker-compose.yml requires every secret from its environment (nothing
 fixed in the file) and publishes only nginx; neither nginx configuration
-logs a raw Idempotency-Key (their hash, which the soak reads back).
+logs a raw Idempotency-Key (their hash, which the soak reads back); a
+`whsec_` secret whose key is shorter than 24 bytes is refused.
 """
 
 from __future__ import annotations
 
+import base64
 import re
 from pathlib import Path
 
+import pytest
 import yaml
+from pydantic import ValidationError
 
+from app.config import Settings
 from devtools import nginx, soak
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,3 +63,16 @@ def test_the_soak_finds_a_stranded_payment_by_its_hashed_key(tmp_path):
     figures = soak.stranded(log, events, finished={"key-1": 101.2}, parked=set())
     assert figures["kill_api"]["stranded_payments"] == 1 and figures["kill_api"]["median_seconds"] == 1.0
     assert "key-1" not in log.read_text()
+
+
+@pytest.mark.parametrize("key_bytes", [3, 16, 23])
+def test_a_whsec_secret_shorter_than_24_bytes_refuses_start_up(key_bytes):
+    secret = "whsec_" + base64.b64encode(b"k" * key_bytes).decode()
+    with pytest.raises(ValidationError, match=f"its key is {key_bytes} bytes, at least 24"):
+        Settings(database_url="postgresql://u@h/d", rail_notification_secret=secret)
+
+
+def test_a_whsec_secret_of_24_bytes_or_more_is_taken():
+    for n in (24, 32, 64):
+        secret = "whsec_" + base64.b64encode(b"k" * n).decode()
+        assert Settings(database_url="postgresql://u@h/d", rail_notification_secret=secret).rail_notification_secret
