@@ -29,6 +29,15 @@ class PaymentCaller:
     row: KeyRow | None
 
 
+@dataclass(frozen=True)
+class CallerLookup:
+    """One caller lookup made ahead of the route (app/fastpath/), for the API key and key it was made for."""
+
+    api_key: str
+    key: str
+    caller: PaymentCaller | None  # None: no client has this API key
+
+
 async def client_id(services: Services, api_key: str) -> int | None:
     """The id of the client holding `api_key`, or None."""
     return await read(services.engine, client_accounts.authenticate, api_key)

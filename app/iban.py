@@ -1,29 +1,12 @@
 """IBANs: parsed, validated and normalised in one place, by schwifty.
 
-Where it sits: a leaf, imported by every layer that meets an IBAN. The
-request model calls it while validating a payment's beneficiary (before
-anything is stored or fingerprinted), the settings call it on
-RAIL_LEGACY_ACCOUNTS at start-up, and so the rail client compares two
-normalised IBANs. It imports nothing from `app`.
-
-What "valid" means here is schwifty's IBAN check (ISO 13616 and the SWIFT
-IBAN registry): a country that has IBANs, that country's exact length, the
-BBAN's structure for that country (which positions are letters, which are
-digits), and the mod-97 check digits. A hand-written pattern plus the check
-digits would let through a made-up country code, or a German IBAN of the
-wrong length.
-Not checked: the national check digits inside the BBAN. They are known for
-some countries only (Germany alone has over a hundred bank-specific methods),
-and the rail is the authority on whether an account exists: a payout to a
-well-formed account that does not exist is rejected and the charge refunded.
-
-One spelling per IBAN: the electronic form, upper case with no spaces. The
-print form (`de89 3704 0044 0532 0130 00`) is accepted and normalised, so a
-retry written with spaces is the same payment (the same fingerprint) and a
-legacy account is recognised however it was written in the configuration.
-Only ASCII letters, digits and spaces are accepted: a tab, a newline or a
-no-break space inside an account number is not a way of writing an IBAN but
-a sign that the value was pasted from somewhere it should not have been.
+Where it sits: a leaf, imported by every layer that meets an IBAN and
+importing nothing from `app`: the request model validates a beneficiary's
+IBAN with it (before anything is stored or fingerprinted), the settings
+check RAIL_LEGACY_ACCOUNTS, and the rail client compares normalised IBANs.
+One spelling per IBAN: the electronic form, upper case, no spaces.
+docs/reference/http-edge.md#ibans-one-validation-one-spelling says what
+"valid" means here, and what is left to the rail.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ import os
 import statistics
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -56,14 +57,26 @@ def cpu_seconds(service: Service) -> float:
     return total
 
 
-def _ours() -> list[psutil.Process]:
-    """This process, everything it started, and PostgreSQL's processes (an embedded server's, or a local one's)."""
+def _ours(data_dir: Path | None = None) -> list[psutil.Process]:
+    """This process, everything it started, and PostgreSQL's processes (an embedded server's, or a local one's).
+
+    `data_dir`: only the processes of the server in that directory (a
+    PostgreSQL process runs in its data directory), so that other servers on
+    the machine, another checkout's test run, say, are left where they are.
+    """
     me = psutil.Process()
     found = {me.pid: me, **{p.pid: p for p in me.children(recursive=True)}}
     for process in psutil.process_iter(["name"]):
-        if (process.info["name"] or "").startswith("postgres"):
+        if (process.info["name"] or "").startswith("postgres") and (data_dir is None or _runs_in(process, data_dir)):
             found.setdefault(process.pid, process)
     return list(found.values())
+
+
+def _runs_in(process: psutil.Process, directory: Path) -> bool:
+    try:
+        return Path(process.cwd()) == directory
+    except (psutil.AccessDenied, psutil.NoSuchProcess):
+        return False
 
 
 def _set_affinity(process: psutil.Process, cpus: list[int]) -> None:
@@ -74,13 +87,17 @@ def _set_affinity(process: psutil.Process, cpus: list[int]) -> None:
 
 
 @contextmanager
-def pinned(apis: dict[str, Service]) -> Iterator[None]:
-    """The APIs' processes on the last CPU, the rest of the run on the others; every CPU again at the end."""
+def pinned(apis: dict[str, Service], data_dir: Path | None = None) -> Iterator[None]:
+    """The APIs' processes on the last CPU, the rest of the run on the others; every CPU again at the end.
+
+    `data_dir`: the PostgreSQL server whose processes are moved with the rest
+    (`_ours`); by default every PostgreSQL process on the machine.
+    """
     every = list(range(os.cpu_count() or 1))
     if len(every) < 2:
         raise RuntimeError("needs at least 2 CPUs: one for the APIs, one for the rest")
     api_pids = {p.pid for api in apis.values() for p in api.tree()}
-    moved = _ours()
+    moved = _ours(data_dir)
     try:
         for process in moved:
             _set_affinity(process, every[-1:] if process.pid in api_pids else every[:-1])

@@ -1,27 +1,11 @@
-"""The body cap: a request body over MAX_BODY_BYTES is refused before anything reads it.
+"""The body cap: a request body over MAX_BODY_BYTES is refused (413) before anything reads it.
 
-Where it sits: the outermost of our middleware, so it is the first of our
-code that every request meets, before the replay shortcut, before FastAPI
-parses the body and before anyone is authenticated. Without it, FastAPI reads
-a whole body into memory before it looks at the Authorization header: one
-unauthenticated client with a 20 MB body (or a chunked one that never ends)
-costs memory and CPU in every API process it reaches.
-
-Two ways a body can be too big, both answered 413 `payload-too-large`:
-
-* its `Content-Length` says so: refused at once, without reading a byte of it;
-* it is sent chunked (no `Content-Length`): its bytes are counted as they
-  arrive, and the request is refused as soon as the count passes the cap.
-
-Either way nothing of the body is kept: the app never sees more than the
-cap. The connection stays open and the server (uvicorn) reads and discards
-whatever the client is still sending, without buffering it. That is
-deliberate: most clients send the whole body before they read the answer,
-and closing a socket with unread data in it makes the kernel reset the
-connection, so the client would see "connection reset" instead of the 413.
-A client that keeps sending holds one connection and costs its own upload
-bandwidth, no memory; `--limit-concurrency` bounds how many can do so
-(app/cli.py).
+Where it sits: an ASGI middleware inside the request metrics and the
+in-flight tracking, outside the replay shortcut and FastAPI (app/main.py),
+so a body over the cap is refused before it is parsed or anyone is
+authenticated. A declared Content-Length is checked at once; a chunked body
+is counted as it arrives. docs/reference/http-edge.md#the-body-capped-before-anything-reads-it
+explains why, and why the connection is left open.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from fastapi import Depends, Header, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app import authentication
-from app.authentication import PaymentCaller
+from app.authentication import CallerLookup, PaymentCaller
 from app.idempotency.keys import MAX_KEY_LENGTH, InvalidIdempotencyKey, parse_idempotency_key
 from app.services import Services
 from app.problems import IDEMPOTENCY_KEY_INVALID, IDEMPOTENCY_KEY_MISSING, UNAUTHENTICATED, ProblemError
@@ -73,12 +73,26 @@ async def authenticated_client(services: ServicesDep, credentials: Credentials) 
     return client_id
 
 
-async def payment_caller(services: ServicesDep, credentials: Credentials, raw_key: RawKey = None) -> PaymentCaller:
+# Where a layer in front of the routes (the replay shortcut, app/fastpath/)
+# leaves the caller lookup it already made, in the request's state.
+HANDED_OVER = "caller_lookup"
+
+
+async def payment_caller(
+    request: Request, services: ServicesDep, credentials: Credentials, raw_key: RawKey = None
+) -> PaymentCaller:
     """Authenticate and read the key's row in one query (401, then 400, as for any request).
 
     The same answers as `authenticated_client` followed by `idempotency_key`,
-    in one round trip: a retry of a finished payment needs nothing else.
+    in one round trip: a retry of a finished payment needs nothing else. If
+    the replay shortcut already made this very lookup, it is used instead of
+    reading again.
     """
+    lookup = handed_over(request, api_key_of(credentials), raw_key)
+    if lookup is not None:
+        if lookup.caller is None:
+            raise unauthenticated()
+        return lookup.caller
     try:
         key = idempotency_key(raw_key)
     except ProblemError:
@@ -89,6 +103,17 @@ async def payment_caller(services: ServicesDep, credentials: Credentials, raw_ke
     if not caller:
         raise unauthenticated()
     return caller
+
+
+def handed_over(request: Request, api_key: str | None, raw_key: str | None) -> CallerLookup | None:
+    """The lookup left in the request's state, only if it was made for the very API key and key it carries."""
+    lookup = request.scope.get("state", {}).get(HANDED_OVER)
+    if lookup is None or api_key != lookup.api_key or raw_key is None:
+        return None
+    try:
+        return lookup if parse_idempotency_key(raw_key) == lookup.key else None
+    except InvalidIdempotencyKey:
+        return None
 
 
 def idempotency_key(raw: str | None) -> str:

@@ -1,22 +1,12 @@
 """Every error leaves as `application/problem+json` (RFC 9457).
 
-Four sources are mapped here: our own `ProblemError`, FastAPI's request
-validation (a malformed body is a 400 that changes nothing), Starlette's
-HTTP exceptions (unknown routes, wrong methods), and the database going away
-(a 503 `service-unavailable` with Retry-After: the client's retry with the
-same key is exactly right, so it must not look like a bug). Anything else is
-a bug: it is logged and answered with a generic 500 that reveals nothing
-internal.
-
-Where the database errors are caught: the handlers installed here for the
-driver's and SQLAlchemy's exception types run in Starlette's
-ExceptionMiddleware, which sits *inside* every middleware added with
-`app.add_middleware`. The replay shortcut is such a middleware and reads the
-database before routing, so an outage there never reaches these handlers; it
-answers with `unavailable_response` itself (app/fastpath/replay_shortcut.py). The
-`Exception` handler, which Starlette runs outermost (ServerErrorMiddleware),
-consults the classifier too, so nothing that says "database unreachable"
-ends as a 500 wherever it was raised.
+Where it sits: the handlers `install` puts on the app, which Starlette runs
+around the routes: our own ProblemError, request validation (400), HTTP
+exceptions (404, 405), the database going away (503 with Retry-After, as
+app/db/errors.py decides), and anything else as a bug's generic 500. The
+middlewares outside them answer for themselves, with `problem_response` and
+`unavailable_response`. docs/reference/http-edge.md#errors-problemjson-and-where-each-is-caught
+explains which handler sees which exception.
 """
 
 from __future__ import annotations

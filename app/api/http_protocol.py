@@ -1,35 +1,12 @@
 """The HTTP/1.1 protocol the API is served with: uvicorn's httptools protocol, with a bounded request head.
 
-Where it sits: below all of our ASGI code. uvicorn gives each connection's
-bytes to this protocol; it parses them into requests and hands each one to
-the app (the body cap, the replay shortcut, FastAPI). So this is the only
-place that sees a request before its headers are complete, and the only
-place that can bound them.
-
-uvicorn parses HTTP with httptools when it is installed (it is, through
-`uvicorn[standard]`), and httptools keeps a header however long it is, in
-memory, and hands the request on. h11, uvicorn's other parser, is bounded (`h11_max_incomplete_event_size`) but costs more
-CPU per request than httptools, on every request. And neither parser has a
-deadline: a client that opens a connection and sends its headers a byte at a
-time (or nothing at all) holds the connection and its memory for as long as
-it likes. So httptools is kept and two bounds are added around it:
-
-* the request line and headers together may be at most MAX_HEAD_BYTES; past
-  that the request is answered 431 `request-header-too-large` and the
-  connection closed;
-* they must arrive within HEAD_TIMEOUT_SECONDS of the connection opening or
-  of the request's first byte; past that the request is answered 408
-  `request-timeout` (or, if nothing at all was sent, the connection is just
-  closed). The deadline does not run between requests on a kept-alive
-  connection: uvicorn's `timeout_keep_alive` closes an idle one.
-
-The body is bounded by app/api/body_limit.py; idle keep-alive connections by
-uvicorn's `timeout_keep_alive`; the number of connections by
-`limit_concurrency` (app/cli.py). The subclass uses the callbacks httptools
-calls on uvicorn's protocol (`on_message_begin`, `on_headers_complete`,
-`on_message_complete`),
-which are pinned with uvicorn; tests/integration/test_payments_api.py checks
-both bounds against the real server.
+Where it sits: below all of our ASGI code. uvicorn (app/cli.py) gives each
+connection's bytes to this protocol, which parses them into requests and
+hands each one to the app, so it is the only place that sees a request
+before its headers are complete. A head over MAX_HEAD_BYTES is answered 431,
+one not complete within HEAD_TIMEOUT_SECONDS 408.
+docs/reference/http-edge.md#the-requests-head-bounded-in-the-protocol
+explains why httptools is kept and bounded here.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Requests in flight, so that a stopping API gives back the leases it cannot finish.
 
-Where it sits: the outermost ASGI middleware of the API; every HTTP request's
-task is in `InFlight.tasks` while it runs. The lifespan's shutdown
-(app/main.py) waits for them before it closes the database.
-
-Why: on SIGTERM, uvicorn (0.54) stops accepting, waits up to
-`timeout_graceful_shutdown` (SHUTDOWN_GRACE_SECONDS) for requests to finish,
-then cancels the ones left and, *in the same breath, without waiting for
-them*, runs the lifespan's shutdown, which disposes the engine; then the
-process exits. A payment cancelled in the engine gives its lease back from
-its `except BaseException` branch (app/machine/engine.py::drive, under
-`asyncio.shield`), but that needs the database: left alone, the process is
-gone before the release commits, and the client's retry on another replica
-gets 409 until LEASE_SECONDS (30 by default) have passed. Waiting here, for
-at most `RELEASE_SECONDS`, lets each cancelled request finish its release
-first.
+Where it sits: `TrackInFlight` is an ASGI middleware (app/main.py) that keeps
+every HTTP request's task in `InFlight.tasks` while it runs; the lifespan's
+shutdown waits for them (`InFlight.settle`, at most RELEASE_SECONDS) before
+it closes the database, so a payment uvicorn cancelled commits its release
+first. docs/reference/http-edge.md#stopping-requests-in-flight explains why
+uvicorn's own graceful shutdown is not enough.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Request metrics, and /metrics for Prometheus to scrape.
 
-Where it sits on a request's path: `RequestMetrics` is the outermost of our
-middlewares (app/main.py), so it sees every answer, including those given
-before routing: a 413 from the body cap, a replay from the replay shortcut,
-a 503 when the database is away. It times the request and, once the answer
-is sent, records it in one histogram by route, method and status
-(app/observability/metrics.py::HTTP_REQUESTS), through a batch that this
-process writes out once a second (`metrics.request_timer`).
-
-The route label is the route's template (`/v1/payments/{payment_id}`),
-never the path: paths hold payment ids and keys, and one series per
-payment would swamp Prometheus. The router leaves the matched route in the
-request's scope; a request answered before routing (a replay, a 413) is
-labelled with its path only when that path is itself a route with no
-parameters (`/v1/payments`); anything else is `unmatched`.
-
-Not seen here: a request refused by the HTTP protocol itself (408, 431:
-app/api/http_protocol.py), and one refused by uvicorn past
-LIMIT_CONCURRENCY (503), which never reach the application.
+Where it sits: `RequestMetrics` is the outermost of our middlewares
+(app/main.py), so it times every answer, those given before routing too (a
+413 from the body cap, a replay from the shortcut, a 503 when the database
+is away), and records it by route template, method and status in
+HTTP_REQUESTS (app/observability/metrics.py). docs/operations.md#every-metric
+says how the route label stays bounded, and which answers never reach here.
 """
 
 from __future__ import annotations

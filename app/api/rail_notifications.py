@@ -1,30 +1,20 @@
 """POST /v1/rail/notifications: the rail tells us a payout came back. Our inbox's front door.
 
-The rail delivers each notification at least once, retrying until we answer
-2xx, possibly several times and out of order. In the order it is decided:
+Where it sits: a route that, like every route, opens no transaction: it
+verifies the rail's Standard Webhooks signature (RAIL_NOTIFICATION_SECRET),
+parses the message by the allow-list, and hands it to the service
+(app/payments/returns.py), which commits the effect with its inbox row
+before the rail is answered; the compensating refund runs after the answer
+(`follow_up`, a background task). In the order it is decided:
 
-    signature missing, bad or stale   -> 401 rail-unauthenticated, nothing recorded
-    not a documented message, or an
-    unknown reason code               -> 400 invalid-notification, nothing recorded
-    transfer outcome not recorded yet -> 409 return-too-early + Retry-After, nothing recorded
-    seen before (the inbox key exists) -> 200 duplicate: dropped (a stranded
-                                          compensation is resumed)
-    no payment / contradicts our record -> 200 unmatched / unexpected: a break
-    otherwise                          -> 200 applied: returned, booked, the
-                                          refund driven after the answer
+    signature missing, bad or stale      -> 401 rail-unauthenticated, nothing recorded
+    not a documented message or reason   -> 400 invalid-notification, nothing recorded
+    transfer outcome not recorded yet    -> 409 return-too-early + Retry-After, nothing recorded
+    seen before (the inbox key exists)   -> 200 duplicate (a stranded compensation is resumed)
+    no payment / contradicts our record  -> 200 unmatched / unexpected: a break
+    otherwise                            -> 200 applied: returned, booked, refund after the answer
 
-The service (app/payments/returns.py) commits the effect together with the
-inbox row, and only then is the rail answered: a crash between the two
-leaves the effect recorded, so the rail's redelivery is a duplicate and is
-dropped. The compensating refund runs after the answer is sent (the
-service's `follow_up`, as a background task of the request), so the rail
-never waits on the PSP; if this process dies first, the recovery worker
-finishes it.
-
-Authentication is the rail's Standard Webhooks signature, verified with the
-same library our outbox signs with (`standardwebhooks`), under the shared
-secret RAIL_NOTIFICATION_SECRET: the rail is the only caller, and it has no
-API key of ours.
+docs/outbox-inbox.md#7-our-inbox-returned-payouts explains each answer.
 """
 
 from __future__ import annotations

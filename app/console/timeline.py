@@ -1,19 +1,12 @@
 """An operation's timeline as a diagram: the key row's history, with the calls between its commits.
 
-The key row's `timeline` (app/idempotency/key_table.py) holds one entry per state
-change, written by the same statement as the change: a claim, each phase's
-commit, a takeover, a release, a park, an unpark. What it does not hold is
-the external calls, because they happen between commits and a call is never
-recorded by itself (a crash may cut it off at any byte). They are drawn from
-what is durable: an entry whose recovery point is a SENT point means its
-owner was about to make that point's call, with the derived key stored on the
-payment row (K1 `psp_charge_key`, K2 `rail_transfer_key` and the end-to-end
-reference the rail is probed by, K3 `psp_refund_key`), and the entry that
-follows tells how the call ended: its outcome committed, released unknown,
-parked, or cut off by a takeover (the owner died or stalled past its lease).
-
+Where it sits: behind the console's operation page (app/console/routes.py).
+The key row's `timeline` holds one entry per commit; the external calls,
+never recorded by themselves, are drawn from what is durable: an entry at a
+SENT point, the derived key on the payment row, and the entry that follows.
 `layout` turns that into rows with coordinates; templates/timeline.svg draws
 them. Pure functions of the rows, so they are unit-tested without a browser.
+docs/console.md#one-operation explains how to read the diagram.
 """
 
 from __future__ import annotations

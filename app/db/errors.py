@@ -3,41 +3,10 @@
 Where it sits: beside the engine, consulted wherever an exception from the
 database ends a unit of work: the API's exception handlers and the replay
 shortcut (a 503 `service-unavailable`, never a 500), `/healthz`, and the
-worker's loops (back off and carry on, never exit).
-
-The two answers lead to opposite actions. An unreachable database is nobody's
-fault and goes away by itself: the caller should wait and try again, and
-nothing is wrong with the request. A syntax error or a violated constraint
-will fail the same way every time: it is a bug, and must stay loud (a 500,
-a logged traceback).
-
-The types below were found by experiment against a real PostgreSQL (stopped
-with `pg_ctl stop -m fast`, restarted, its backends terminated), not from
-documentation; asyncpg 0.32 and SQLAlchemy 2.1 raise them as follows:
-
-- connecting while the server is down: a bare `ConnectionRefusedError` (also
-  `ConnectionResetError`, or `ConnectionError("unexpected connection_lost()
-  call")` while it is shutting down), raised by asyncpg and *not* wrapped by
-  SQLAlchemy;
-- connecting while it is shutting down or starting up:
-  `CannotConnectNowError`, wrapped in SQLAlchemy's `DBAPIError`;
-- a query on a connection the server closed (shutdown, pg_terminate_backend):
-  `ConnectionDoesNotExistError` caused by `AdminShutdownError`, wrapped in a
-  `DBAPIError` with `connection_invalidated=True`; if the close was noticed
-  while the connection was idle, asyncpg's `InterfaceError("connection is
-  closed")`, wrapped in SQLAlchemy's `InterfaceError`, also invalidated;
-- no connection free within the pool's timeout: `sqlalchemy.exc.TimeoutError`;
-- a pooled asyncpg connection used in the instant between the server's
-  farewell (a FATAL error sent to the idle connection) and the socket's close:
-  `InternalClientError("cannot switch to state 12; another operation (2) is
-  in progress")`. State 2 is the protocol consuming an error; on a connection
-  nobody else was using, only that unsolicited FATAL puts it there (seen on
-  the caller lookup's pool under load during `pg_ctl stop -m fast`).
-
-Note that `CannotConnectNowError` and `AdminShutdownError` are asyncpg
-`OperatorInterventionError`s (SQLSTATE class 57), not
-`PostgresConnectionError`s; the class also holds `QueryCanceledError`
-(a statement timeout), which is not an outage, so they are named one by one.
+worker's loops (back off and carry on, never exit). An outage goes away by
+itself and the caller should try again; a bad statement fails the same way
+every time and must stay loud. docs/crash-matrix.md#telling-an-outage-from-a-bug
+lists the exception types an outage raises, found by experiment.
 """
 
 from __future__ import annotations
@@ -109,7 +78,7 @@ def _says_unavailable(exc: BaseException) -> bool:
     if isinstance(exc, _SERVER_GONE):
         return True
     if isinstance(exc, asyncpg.InternalClientError):
-        return "another operation (2) is in progress" in str(exc)  # see the module's docstring
+        return "another operation (2) is in progress" in str(exc)  # an unsolicited FATAL (docs/crash-matrix.md#telling-an-outage-from-a-bug)
     if isinstance(exc, asyncpg.InterfaceError):
         # asyncpg's client-side errors are mostly misuse (a bug); only these
         # two say the connection, not the statement, is the problem.

@@ -11,25 +11,15 @@ pool when it returns.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from types import TracebackType
 
 import asyncpg
 
-from app.authentication import PaymentCaller, caller_of
+from app.authentication import CallerLookup, caller_of
 from app.client_accounts import hash_api_key
 from app.config import Settings, libpq_url
 from app.db.engine import SERVER_SETTINGS
 from app.idempotency.key_table import CALLER_SQL
-
-
-@dataclass(frozen=True)
-class Lookup:
-    """One caller lookup: the API key and key it was made for, and what was found."""
-
-    api_key: str
-    key: str
-    caller: PaymentCaller | None  # None: no client has this API key
 
 
 class LookupPool:
@@ -58,10 +48,10 @@ class LookupPool:
         if self.pool is not None:
             await self.pool.close()
 
-    async def look_up(self, api_key: str, key: str) -> Lookup:
+    async def look_up(self, api_key: str, key: str) -> CallerLookup:
         assert self.pool is not None, "the lookup pool is opened by the API's lifespan"
         row = await self.pool.fetchrow(CALLER_SQL, hash_api_key(api_key), key)
-        return Lookup(api_key, key, caller_of(row, key))
+        return CallerLookup(api_key, key, caller_of(row, key))
 
 
 async def _decode_jsonb(conn: asyncpg.Connection) -> None:

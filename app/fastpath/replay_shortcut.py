@@ -14,7 +14,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import ValidationError
 
@@ -22,9 +22,8 @@ from app.api import deps
 from app.api.body_limit import MAX_BODY_BYTES
 from app.api.errors import retry_after_seconds, unavailable_response
 from app.api.routes import final_response
-from app.authentication import PaymentCaller
 from app.db.errors import database_unavailable
-from app.fastpath.lookup_pool import Lookup, LookupPool
+from app.fastpath.lookup_pool import LookupPool
 from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
 from app.observability import metrics
 from app.payments.models import PaymentRequest
@@ -41,9 +40,8 @@ PATH = "/v1/payments"
 
 
 def install(app: FastAPI, lookups: LookupPool) -> None:
-    """Put the shortcut in front of `app`'s routes, and let the full path take over its read."""
+    """Put the shortcut in front of `app`'s routes; the read it makes is left for the full path (deps.HANDED_OVER)."""
     app.add_middleware(ReplayShortcut, lookups=lookups)
-    app.dependency_overrides[deps.payment_caller] = payment_caller_handed_over
 
 
 class ReplayShortcut:
@@ -86,7 +84,7 @@ class ReplayShortcut:
         except (ValueError, RecursionError, ValidationError):
             return None  # not a valid payment request: the full path says why
         lookup = await self.lookups.look_up(api_key, key)
-        scope.setdefault("state", {})[_HANDED_OVER] = lookup
+        scope.setdefault("state", {})[deps.HANDED_OVER] = lookup
         if lookup.caller is None or lookup.caller.row is None:
             return None
         return stored_response(lookup.caller.row, fingerprint(request))
@@ -150,30 +148,3 @@ def bearer_api_key(authorization: str | None) -> str | None:
     """
     scheme, api_key = get_authorization_scheme_param(authorization)
     return deps.usable_api_key(api_key) if scheme.lower() == "bearer" else None
-
-
-# Where a lookup the shortcut made waits, in the request's state, for the full path.
-_HANDED_OVER = "caller_lookup"
-
-
-def handed_over(request: Request, api_key: str | None, raw_key: str | None) -> Lookup | None:
-    """This request's lookup, if the shortcut made it for the very API key and key it carries."""
-    lookup = request.scope.get("state", {}).get(_HANDED_OVER)
-    if lookup is None or api_key != lookup.api_key or raw_key is None:
-        return None
-    try:
-        return lookup if parse_idempotency_key(raw_key) == lookup.key else None
-    except InvalidIdempotencyKey:
-        return None
-
-
-async def payment_caller_handed_over(
-    request: Request, services: deps.ServicesDep, credentials: deps.Credentials, raw_key: deps.RawKey = None
-) -> PaymentCaller:
-    """`deps.payment_caller`, answered from the shortcut's lookup when it made one, so a new payment reads once."""
-    lookup = handed_over(request, deps.api_key_of(credentials), raw_key)
-    if lookup is None:
-        return await deps.payment_caller(services, credentials, raw_key)
-    if lookup.caller is None:
-        raise deps.unauthenticated()
-    return lookup.caller

@@ -1,21 +1,14 @@
 """The key table: its SQL, and the operations on it outside the hot path.
 
-Ownership is decided by the database alone: a claim is one statement that
-either returns a new lease or does not (an INSERT made unique across the key
-table's daily partitions by a lock; see CLAIM_SQL), a takeover is a conditional UPDATE that either
-returns a row or does not, and every later write names the lease token it was
-given, so a stalled owner whose lease was taken over updates zero rows and is
-stopped (`LeaseLost`). Lease times use the database's clock, never a
-replica's, so clock skew between replicas cannot make two of them believe they
-own the same request.
-
-CLAIM_SQL, ADVANCE_SQL and FINISH_SQL are the first step (the "fence") of
-every single-statement phase: app/machine/statements.py puts each phase's
-statement together from one of them. The functions here (load,
-take_over, release, park, unpark, stranded, backlog) take a connection from
-`app.db.transaction` (inside a transaction, or as a single statement) and
-never commit; `load_caller`, the read that starts every POST, runs on the
-lookup pool of app/db/engine.py.
+Where it sits: below the engine (app/machine/engine.py). Ownership is decided
+by the database alone: a claim (CLAIM_SQL) returns a new lease or nothing, a
+takeover is a conditional UPDATE, and every later write names its lease
+token, so a stalled owner updates zero rows (`LeaseLost`); leases use the
+database's clock. CLAIM_SQL, ADVANCE_SQL and FINISH_SQL are the fence every
+phase's statement starts with (app/machine/statements.py); CALLER_SQL is the
+read that starts every POST (app/authentication.py). The functions here take
+a connection from `app.db.transaction` and never commit.
+docs/request-path.md#the-fencing-condition explains the fence.
 """
 
 from __future__ import annotations

@@ -3,39 +3,11 @@
 Not on a request's path: the worker's daily tick and `payments keys reap`
 call these (app/workers/retention.py), and `payments migrate` calls
 `ensure_ahead` so that a freshly migrated database can take claims at once.
-A claim itself only ever inserts into the partition of `key_table_day()`
-(migration 0006), and answers 503 if that partition is missing.
-
-`idempotency_key` is RANGE-partitioned by `stored_on`, the UTC day of the
-partition that holds the row: `idempotency_key_pYYYYMMDD` holds
-[day, day + 1). `idempotency_key_legacy` holds every key that existed when
-the table was converted (up to the migration's day). The day is read from
-the database's `key_table_clock()`, never from this process, so every
-replica and worker agrees on it, and a test can move it.
-
-Removing a day's keys, safely:
-
-    1. live rows out   every still-started row (and every row finished less
-                       than retention ago) is moved to today's partition by
-                       an UPDATE of `stored_on` (PostgreSQL moves the row
-                       between partitions in one transaction: a reader sees it
-                       in the old one or the new one, never in neither). Rows
-                       whose lease is live, or that someone has locked, are
-                       skipped: their owner is writing them right now, and
-                       the partition waits for another day.
-    2. drop            only when step 1 left nothing live, and only after
-                       checking again, under the lock that the DROP takes
-                       anyway, that the partition holds no started row.
-
-Why DROP TABLE of the attached partition, not DETACH ... CONCURRENTLY and
-then DROP: with a foreign key from the key table to `payment`, a detached
-partition's key becomes a constraint of its own, and detaching creates its
-triggers on `payment` (a SHARE ROW EXCLUSIVE lock: it waits for, and then
-blocks, every payment write), and dropping the detached table takes ACCESS
-EXCLUSIVE on `payment`. Dropping the attached partition takes ACCESS
-EXCLUSIVE on the key table only, for the few milliseconds the catalogue
-change takes; `lock_timeout` makes it give up (and try again at the next
-tick) rather than queue in front of traffic behind a long transaction.
+A claim only ever inserts into today's partition by the database's clock
+(migration 0006). A day is removed in two steps: its live rows are moved to
+today's partition (`move_live_rows`), then it is dropped whole if nothing
+live is left (`drop_if_dead`). docs/key-table.md#reaping-moving-the-live-rows-out-then-dropping
+explains why no live row can be lost, and why a DROP and not a DETACH.
 """
 
 from __future__ import annotations

@@ -2,44 +2,12 @@
 
 Where it sits: a leaf below every layer. The service logs through the
 standard library (`logging.getLogger(__name__)` in each module); this module
-configures where those records go and how they are written (`dict_config`,
-`configure`):
-
-    LOG_FORMAT=json     one JSON object per line (python-json-logger), the
-                        default of `payments api` and `payments worker`:
-                        timestamp, level, logger, message, and the payment's
-                        fields below; for a log pipeline
-    LOG_FORMAT=console  one readable line, the payment's fields appended as
-                        name=value, for a person at a terminal (`payments
-                        run` uses it)
-
-LOG_LEVEL applies to the service's own loggers (`app.*`); libraries log at
-WARNING and above whatever it says, so DEBUG never turns on SQLAlchemy's or
-an HTTP client's own chatter.
-
-The payment's fields. Whoever knows them binds them (`bind`) in the current
-task's context (a contextvar), and every line logged after that in the same
-task carries them, whichever module logs it: client_id, payment_id,
-key_hash (`key_hash`: a short hash of the Idempotency-Key, never the key,
-which is the client's own text), recovery_point, attempt and lease_token.
-Each API request runs in a task of its own, so what one binds never reaches
-another; the engine rebinds them at every step (app/machine/engine.py); a
-loop that drives several payments in one task opens a `payment_scope` for
-each, so no line is ever stamped with the previous payment's fields.
-
-What is never logged: a card token, an IBAN, a beneficiary's name, a
-request body, an API key or a raw Idempotency-Key. Nothing here filters them
-out; the service never passes them to a log call, and
-tests/integration/test_no_secrets_in_logs.py greps every line the processes
-write while payments with distinctive values succeed, fail, park and meet a
-rail's errors.
-
-A line costs CPU on every request that writes it (measured in
-docs/reference/performance.md#the-cost-of-watching), so the hot path logs
-little at INFO: one line per finished payment, and the exceptional
-transitions (released, taken over, parked); each phase, external call and
-replay is a DEBUG line, which costs a level check when it is off
-(docs/operations.md).
+says where those records go and how they are written (`dict_config`,
+`configure`: LOG_FORMAT json or console, LOG_LEVEL for `app.*` only).
+Whoever learns a payment's fields binds them in the task's context (`bind`;
+`payment_scope` for a loop over several payments), and every line logged
+after that in the task carries them. docs/operations.md#logs lists the
+fields, what is never logged, and what is logged at which level.
 """
 
 from __future__ import annotations

@@ -1,42 +1,15 @@
 """Every Prometheus metric the service exports, defined once, here.
 
-Where it sits: a leaf below every layer. The API counts requests, problems
-and replays (app/api/metrics.py, app/fastpath/replay_shortcut.py); the engine
-counts new and finished payments, takeovers, releases and parks
-(app/machine/engine.py); the rail clients time every exchange with the PSP
-and the rail (app/rails/gateways.py); the worker reports its sweeps, its
-backlog and reconciliation (app/workers/). docs/operations.md lists them all,
-with the alerts to set on them; tests/unit/test_operations_doc.py keeps that
-list and this module the same.
-
-Label values are bounded by construction: a route's template (never the
-path, which holds payment ids), a status code, a problem type's slug, a
-recovery point, an outcome class, a system's name. No key, payment id or
-client id is ever a label: each would make one series per payment.
-
-Several processes, one view. `payments api --workers N` runs N processes,
-each counting its own requests; a scrape reaches one of them. So the API
-runs in prometheus_client's multiprocess mode: every process writes its
-values to memory-mapped files in PROMETHEUS_MULTIPROC_DIR, and /metrics adds
-up the files of all of them (`exposition`). The directory is chosen, and
-emptied, by the parent process before any worker starts
-(app/observability/multiproc.py); prometheus_client reads the variable when
-it is first imported, so nothing may import this module earlier. The worker
-(`payments worker`) is one process: it keeps its values in memory and serves
-them on a port of its own (`serve`).
-
-The cost on the hot path is kept small
-(docs/reference/performance.md#the-cost-of-watching). A label set used on
-every request is resolved once (`child`, and the precomputed children
-below). And what every request records, its timing and a replay's count, is
-added up in this process first (`Batched`, `BatchedCounter`) and written to
-prometheus_client at most once a second (`flush`): in the multiprocess files
-a write is a locked store to a mapped page, which in the running server
-misses the caches the rest of the request has filled. A
-scrape sees what its own process counted up to the moment it is answered,
-and the other processes' counts up to their last flush, so at most a second
-old; a process that stops flushes first, and one killed outright loses at
-most its last second of requests (docs/operations.md).
+Where it sits: a leaf below every layer. The API (app/api/metrics.py, the
+replay shortcut), the engine (app/machine/engine.py), the rail clients
+(app/rails/gateways.py) and the worker (app/workers/) count and time through
+it. The API's processes add up to one view in prometheus_client's
+multiprocess mode, which reads PROMETHEUS_MULTIPROC_DIR when first imported,
+so the parent of `payments api` prepares it before anything imports this
+module (app/observability/multiproc.py). What every request records is
+added up here and written once a second (`flush`). docs/operations.md lists
+every metric and explains the bounded labels, the multiprocess files and
+the batching.
 """
 
 from __future__ import annotations

@@ -1,43 +1,16 @@
 """Webhook delivery: claim, POST signed, record. At least once, so the receiver deduplicates.
 
-Where it sits: the dispatcher in `payments worker` (app/workers/webhooks.py)
-runs these three steps for each due delivery, and nothing else does:
-
-    claim    one statement: lock due pending deliveries (FOR UPDATE SKIP
-             LOCKED, so two dispatchers never take the same row), give each
-             a lease (a token and an expiry), count the attempt and log it
-             as started. Committed before anything is sent.
-    post     sign with the `standardwebhooks` library (webhook-id = the event
-             id, the receiver's idempotency key; webhook-timestamp;
-             webhook-signature, two signatures while a rotated secret's
-             overlap window lasts) and POST with aiohttp's client
-             (`session`), with no transaction and no pooled connection
-             held, connecting only where the egress policy permits
-             (egress.py: checked on the resolved address of every
-             connection).
-    record   one statement, fenced by the lease token: the delivery's new
-             state and the attempt's outcome (status, latency, error class),
-             for every attempt that finished since the last record (each row
-             fenced by its own token). A dispatcher whose lease ran out (it
-             stalled, and the delivery was claimed again) records nothing of
-             that delivery.
-
-What can go wrong, and what it costs: a dispatcher that dies after the POST
-and before the record leaves the delivery leased; once the lease runs out it
-is claimed again and POSTed again, with the same webhook-id: the receiver
-has seen it and drops it. So every event is delivered at least once, and
-applied once by a receiver with an inbox. Never two at the same time: the
-lease outlasts the POST's timeout (app/config.py).
-
-The decision (`decide`): a 2xx is delivered. Anything else (a timeout, a
-refused or broken connection, an address or scheme the egress policy
-refuses, a secret that cannot be opened, any other status, 4xx included: a receiver
-that answers 401 or 404 is usually misconfigured for a while, which a
-person fixes) is retried after base * 2^(n-1) seconds, capped, with
-jitter; a 429 or 503 with Retry-After waits at least that long (within the
-cap). Redirects are not followed (a moved endpoint is registered again).
-After `webhook_max_attempts` attempts the delivery is `dead`: nothing
-retries it until a person runs `payments events redeliver ID`.
+Where it sits: after the commit, off every request's path. A phase wrote the
+event and its delivery with the decision (app/outbox/events.py); the
+dispatcher in `payments worker` (app/workers/webhooks.py) runs these three
+steps for each due delivery, and nothing else does: `claim` (one statement,
+committed before anything is sent: leased, the attempt counted, the secrets
+opened), `post` (signed with `standardwebhooks`, both signatures during a
+rotation's overlap; no transaction and no pooled connection held; connecting
+only where the egress policy, egress.py, permits) and `record` (one
+statement, each row fenced by its lease token). `decide` says what an answer
+leads to. docs/outbox-inbox.md#4-delivery-claim-post-record explains the
+lease, the retry schedule, and what a crash leaves.
 """
 
 from __future__ import annotations

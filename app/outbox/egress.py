@@ -1,42 +1,17 @@
 """The webhook egress policy: which URLs may be registered, which addresses the dispatcher may connect to.
 
-Where it sits: under the two places a merchant's URL is handled. A webhook
-URL is the one address in this service that someone outside names, and the
-dispatcher POSTs to it from inside our network: left open, it reaches the
-loopback services, the cloud's metadata address, the private network.
-
-    registration  `checked_url` (app/outbox/endpoints.py, `payments clients
-                  set-webhook`): https (http only with WEBHOOK_ALLOW_HTTP), no
-                  user:password@, a host; a host that is an address, in any
-                  spelling the system's resolver takes (0x7f000001, 127.1),
-                  or a name that resolves now, must be permitted. A
-                  convenience for the person registering it: a name may point
-                  elsewhere by the time it is used.
-    connection    what protects: every address the dispatcher is about to
-                  connect to, after resolution, on every attempt
-                  (`connector`). A name goes through `PermittedResolver`,
-                  aiohttp's own resolver hook wrapped around its default
-                  resolver, which drops the refused addresses; an address
-                  literal, which aiohttp hands to no resolver, and every
-                  resolved address again, is checked by the connector's
-                  socket factory before a socket is made. So nothing the
-                  policy refuses is ever connected to, and a name that is
-                  public when registered and loopback when used (DNS
-                  rebinding) gains nothing.
-
-Permitted: a global unicast address (the standard library's `ipaddress`:
-is_global, and neither multicast nor reserved) whose embedded IPv4 address,
-if it has one (IPv4-mapped, 6to4, Teredo), is one too; IPv4-compatible
-(::a.b.c.d) and NAT64 forms are reserved, so refused. That refuses loopback,
-link-local (169.254.169.254, fe80::), private, shared, unspecified,
-multicast and documentation ranges. Or an address inside
-WEBHOOK_ALLOWED_NETWORKS: development's allow-list (the fake merchant on
-loopback, which devtools/system.py sets for `make run`, the tests, the
-demos and the bench), never a default.
-
-A refused address is recorded as one phrase, `REFUSED`, whatever listens
-there or not: nothing was sent, so "connection refused" and "timed out"
-never tell a merchant which inside ports are open.
+Where it sits: under registration (`checked_url`, called by
+app/outbox/endpoints.py for `payments clients set-webhook`) and under the
+dispatcher's HTTP client (`connector`, app/outbox/delivery.py::session),
+where it protects: every address is judged after resolution, at every
+connection, by aiohttp's resolver hook (`PermittedResolver`, for names) and
+the connector's socket factory (for every address, literals included), so a
+name that resolves inside at delivery time reaches nothing. Permitted: a
+global unicast address (the standard library's `ipaddress`) whose embedded
+IPv4 address, if any, is one too; or one in WEBHOOK_ALLOWED_NETWORKS
+(development). A refused address is recorded as one phrase, `REFUSED`.
+docs/outbox-inbox.md#egress-where-the-dispatcher-may-connect explains what
+is refused and why.
 """
 
 from __future__ import annotations

@@ -8,14 +8,8 @@ shown once, when the endpoint is created (or `--rotate-secret`). Unlike an
 API key it cannot be stored as a hash (we sign every delivery with it): it
 is stored sealed with WEBHOOK_SECRETS_KEY (sealing.py), never in the clear.
 A URL is registered only if the egress policy takes it (egress.py).
-
-Rotating the secret keeps the old one for an overlap window
-(WEBHOOK_SECRET_OVERLAP_HOURS, or `--overlap-hours`): until it ends, every
-webhook carries both signatures in `webhook-signature` (Standard Webhooks
-allows several, space-separated), so the merchant can switch its verifier
-to the new secret whenever it likes within the window. After it, the old
-one is no longer sent, and its sealed copy is cleared by the next change of
-the endpoint.
+A rotated-out secret is kept, and sent beside the new one, for an overlap
+window (docs/outbox-inbox.md#rotating-a-signing-secret).
 
 An endpoint gets deliveries for the events written while it exists; a
 changed URL receives the pending ones too (they are signed and sent to

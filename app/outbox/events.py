@@ -1,28 +1,14 @@
 """Events: the decisions a client must hear about, as rows written with the decision.
 
-An event is written by the statement (or transaction) that makes its
-decision, never after it: so a crash can never leave a decision without its
-event, or an event without its decision. On the hot path the write is two
-more CTEs of the phase's own statement (EMIT_SQL, which
-app/machine/statements.py appends to every statement that finishes),
-reading from the fence: a stale owner's statement writes no event either.
-Parking, which is a short transaction of its own, calls `emit`.
-
-    type                    written by                       the payment is
-    payment.succeeded       phases.record_transfer (accepted) succeeded
-    payment.declined        phases.record_charge (declined)   declined
-    payment.failed          phases.record_refund              failed (refunded)
-    payment.indeterminate   phases.indeterminate (parking)    indeterminate
-    payment.returned        returns.record_return             returned (refund under way)
-    payment.refunded        returns.record_return_refund      refunded (after a return)
-
-A payout settled by reconciliation goes through the same phases
-(app/machine/engine.py::settle_parked), so it emits `payment.succeeded`, or, once its refund
-is recorded, `payment.failed`. `data` is the payment as `GET
-/v1/payments/{id}` shows it at that moment (a finished payment's is its
-stored response, the same text). Ids are UUIDv7 made by the database when
-the row is inserted (migration 0007's `time_ordered_uuid()`), so they sort
-by time.
+Where it sits: inside the phase that decides. Every statement that finishes
+an operation ends with EMIT_SQL (appended by app/machine/statements.py),
+which reads from the fence, so the event commits with its decision or not
+at all, and a stale owner writes none; the decisions made by a transaction
+rather than one statement (parking, recording a return) call `emit` inside
+it. The webhook dispatcher (app/workers/webhooks.py) and
+`GET /v1/events` (`feed`) read what is written here.
+docs/outbox-inbox.md#1-events-written-with-the-decision says which phase
+writes which type, and what an event holds.
 """
 
 from __future__ import annotations

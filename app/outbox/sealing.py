@@ -2,20 +2,12 @@
 
 Where it sits: between the endpoints' rows and the two things that need a
 secret in the clear: registration seals a new secret before it is written
-(app/outbox/endpoints.py), and the dispatcher opens the sealed secrets of a
-claimed delivery to sign it (app/workers/webhooks.py). Unlike an API key, a
-signing secret cannot be kept as a hash (we sign with it), so a copy of the
-database (a backup, a replica, a leaked dump) would otherwise be every
-merchant's secret: with it, anyone could forge our webhooks to them.
-
-Fernet, from the `cryptography` package (AES-128-CBC and HMAC-SHA256, a
-versioned, timestamped token), never a hand-made construction.
-WEBHOOK_SECRETS_KEY is one Fernet key (32 random bytes, url-safe base64), or
-several separated by commas during a rotation of the key: the first seals,
-every one opens (Fernet's MultiFernet). Rotating the key: put the new one
-first (`NEW,OLD`), restart the workers, run `payments clients
-reseal-webhook-secrets` (every row re-sealed under the first key), then
-drop the old one (docs/outbox-inbox.md#signing-secrets-at-rest).
+(app/outbox/endpoints.py), and the dispatcher opens a claimed delivery's
+sealed secrets to sign it (app/outbox/delivery.py::claim). Fernet from the
+`cryptography` package; WEBHOOK_SECRETS_KEY is one key, or `NEW,OLD` while
+it rotates (the first seals, every one opens).
+docs/outbox-inbox.md#signing-secrets-at-rest says why, and how the key is
+provided and rotated.
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """The named points where a process can be made to die, for crash tests and demos.
 
 A process started with `PAYMENTS_CRASH_AT=<point>` dies the first time it
-reaches that point (app/machine/crash.py). `payments crash-points` lists
-these; `validate` refuses, at start-up, a name that is not one of them.
-
-The points cover every gap between durable facts on a payment's path, for
-each external step N:
-
-    after-commit-<point>  a phase committed recovery point <point>; the next
-                          external call has not been made (for a SENT point)
-                          or the response has not been sent (for finished)
-    after-call-EXTN       external call N was applied; its outcome is not yet
-                          committed (the "debited, then crashed" case)
-
-(EXT4 is the refund that compensates a returned payout: its
-after-commit-EXT4_SENT is in the rail notification's handler, between
-recording the return and acknowledging it to the rail, and in
-reconciliation's backstop after recording a return line);
-one inside the reconciliation job (`payments reconcile`), which no
-payment request reaches: reconcile-after-settlement; and two in the webhook
-dispatcher of `payments worker` (app/workers/webhooks.py):
-
-    webhook-after-claim     deliveries are claimed (leased, the attempt
-                            counted); nothing has been POSTed
-    webhook-after-delivery  the merchant answered a POST; the answer is not
-                            recorded yet
+reaches that point (app/machine/crash.py); `validate` refuses a name not in
+POINTS at start-up, and `payments crash-points` lists them. Two kinds cover
+every gap between durable facts on an operation's path: `after-commit-<point>`
+(a phase committed; its call not made, or its response not sent) and
+`after-call-EXTn` (call n applied; its outcome not committed). Reconciliation
+and the webhook dispatcher have points of their own.
+docs/crash-matrix.md#crash-points says where each is checked.
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
-"""The four things an external call can tell us, and the probe's answers.
+"""The five things an exchange with the PSP or the rail can tell us.
 
-Every HTTP exchange with the PSP or the rail is reduced to one of these by
-`app.rails.gateways`, so the engine never interprets status codes, exceptions
-or response bodies itself:
+Where it sits: between the rail clients and the engine. app/rails/gateways.py
+reduces every HTTP exchange to one of these, so the engine never interprets
+status codes, exceptions or response bodies itself:
 
-    Applied     the external system holds a record for our key, with a status
-                it documents as final (app/rails/answers.py). A decline or a
-                rejection is an Applied record too: it is a result.
-    NotApplied  nothing was done, for certain: the connection was refused
-                before a byte of the request was sent, or the system answered
-                with a refusal it documents as storing nothing (a 429, say).
-                Safe to send again later, even to a rail that cannot
-                deduplicate. Never a result: the payment is not over.
-    Settling    the external system holds our request but has not decided it
-                yet (a slow provider's `pending`): it will settle later, so
-                the call is polled (probed) with backoff, never sent again.
-    NotFound    (probes only) the external system has no record for our key.
-    Unknown     we cannot tell whether the call took effect: a timeout, a lost
-                or garbled response, a 5xx, an answer whose status is missing
-                or not on the documented list. Unknown is never a failure, a
-                decline or a reason to refund; it is an absence of information.
+    Applied     a record for our key, with a documented final status (a decline is one too)
+    NotApplied  certainly nothing done: refused before sending, or a refusal that stores nothing
+    Settling    held but not decided yet: probed with backoff, never sent again
+    NotFound    (probes only) no record for our key
+    Unknown     we cannot tell: never a failure, a decline or a reason to refund
 
-Only Applied may finish a phase. The `reason` of the others is a short
-classified phrase ("psp: timed out"), stored on the key row and shown to the
-client: never an exception's text, a URL or a response body.
+Only Applied may finish a phase. docs/glossary.md defines each, and what
+the others' `reason` may say.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """The HTTP client the PSP and rail clients share, and what its errors mean.
 
-We speak httpx's interface over aiohttp's connection handling (httpx's own
-transport costs far more CPU per call: docs/reference/performance.md). The
-adapter that joins them maps aiohttp's exceptions onto httpx's, but it maps a refused
-connection to `httpx.ConnectTimeout`, and lets an answer that is not HTTP at
-all escape as aiohttp's own `ClientResponseError`. Both matter for money:
-
-- a refused connection (or a name that does not resolve) means not a byte of
-  the request left this process, so the call is certainly *not applied* and
-  may be sent again, even to a rail that cannot deduplicate. It must be told
-  apart from a timeout, after which the call may well have been applied;
-- an answer that is not HTTP (a proxy's garbage, a wrong port) must be an
-  ordinary transport error, so that it is classified like any other broken
-  exchange (unknown) instead of escaping as an unexpected exception.
-
-`ClassifyingTransport` fixes both at the boundary, so app/rails/gateways.py
-only ever sees httpx's exceptions, each meaning what httpx documents.
+Where it sits: under app/rails/gateways.py, which speaks httpx's interface
+over aiohttp's connections, joined by an adapter. `ClassifyingTransport`
+corrects that adapter at the boundary, so the client only ever sees httpx's
+exceptions, each meaning what httpx documents: a refused connection is
+`httpx.ConnectError` (nothing was sent), never a connect timeout (after
+which the call may have been applied), and an answer that is not HTTP is
+`httpx.RemoteProtocolError`, never aiohttp's own exception.
+docs/crash-matrix.md#unknown-outcomes-202-backoff-parking says why it matters.
 """
 
 from __future__ import annotations

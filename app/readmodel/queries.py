@@ -1,17 +1,11 @@
 """The operator console's queries, one SELECT each (run with `app.db.transaction.read`).
 
-The key table is the big one (a row per request ever made, until retention
-drops it), so its list is paged by keyset, never by OFFSET: a page is "the
-next N rows older than the last one shown", read from an index, however deep
-the reader pages. The key is `payment_id`, which is time-ordered (UUIDv7,
-app/payments/phases.py::new_payment_id) and indexed on the key table
-(`idempotency_key_payment_id`, migration 0005), and every key row has one
-(Handler1 inserts both in one statement): newest first by payment id is newest
-first by arrival, with no new index to maintain on the hot path. An OFFSET
-would read and throw away every row before the page, deeper pages slower.
-
-Filters are fixed SQL fragments chosen by name, with values bound as
-parameters: nothing a reader types becomes SQL text.
+Where it sits: under the console's pages (app/console/routes.py), beside
+app.payments, above the database; nothing on a payment's path imports it.
+The key table's list is paged by keyset on the time-ordered `payment_id`,
+never by OFFSET, and filters are fixed SQL fragments chosen by name, with
+values bound as parameters: nothing a reader types becomes SQL text.
+docs/console.md#paging-a-big-table explains the keyset.
 """
 
 from __future__ import annotations

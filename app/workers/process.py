@@ -1,24 +1,13 @@
 """`payments worker`: the process that runs the background jobs beside the API.
 
-Four loops share one set of services: the recovery sweep (every second or
-so), the reconciliation schedule (which, every `reconcile_every_seconds`,
-tries to claim each closed day of the booking horizon up to yesterday), the
-key table's upkeep (which, every `key_reap_every_seconds`, tries to claim
-today's: partitions created ahead, those past retention dropped) and the
-webhook dispatcher (app/workers/webhooks.py); the durable tick makes the two
-schedules once per window across all workers. SIGTERM or SIGINT stops all
-four; in-flight payments release their leases, in-flight webhooks let theirs
-run out (and are sent again).
-
-Nothing else stops them: a database that is down (at start-up too: the pools
-connect on first use) or restarting makes each loop log one line and back off,
-never exit (app/workers/recovery.py::recovery_loop, reconciliation.py::reconcile_loop,
-webhooks.py::dispatch_loop).
-
-Its metrics (docs/operations.md) are served on WORKER_METRICS_HOST and
-WORKER_METRICS_PORT by a thread of prometheus_client's, from the start: a
-port that is taken refuses start-up (exit 2) rather than leave a worker that
-nobody can watch.
+Where it sits: beside the API, over the same services (app/services.py).
+`run` starts four loops: the recovery sweep (recovery.py), reconciliation's
+schedule (reconciliation.py), the key table's daily upkeep (retention.py)
+and the webhook dispatcher (webhooks.py); durable ticks make each schedule
+run once per window across all workers. SIGTERM or SIGINT stops all four
+(`main`). A database that is down makes each loop back off, never exit; a
+metrics port that is taken refuses start-up, so no worker runs unwatched.
+docs/request-path.md#the-recovery-worker says what the loops share.
 """
 
 from __future__ import annotations

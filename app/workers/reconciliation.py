@@ -1,39 +1,15 @@
-"""Reconciliation: settle indeterminate payouts against the rail's statements.
+"""Reconciliation: settle parked payouts against the rail's statements.
 
-When a payout's outcome could not be learned (a legacy rail timed out or lost
-its response, and it can neither be probed nor safely sent again), the payment
-is parked as `indeterminate`. The rail's daily statement is the ground truth
-that settles it: when an idempotent retry is not possible, reconcile:
-
-    booked once, amount matches         -> Handler3 runs: succeeded, response stored
-    absent, and the statements that
-    could hold it are final             -> the charge is refunded (K3): failed
-    anything that cannot be settled
-    safely                              -> a break, recorded and never auto-corrected
-
-A payout instructed on day I is booked on I's statement, or a later one if it
-reached the rail after the cut-off, before a weekend or a holiday: up to
-`reconcile_booking_days` days later (the rail's booking horizon, a fact about
-the rail we are told, like its capabilities). So it is absent only when every
-statement from I to I + horizon is final and none has it; until then each
-day's run looks again. Bookings that contradict what we recorded (a second
-booking of a paid-out payment, on any day; a booking for a payment we
-refunded) are breaks too.
-
-The statement is also the backstop for returned payouts: each return line
-on the window's statement is handed to the very function the rail's
-notification reaches (app/payments/returns.py::record_return), with the
-same inbox key (derived from the return's id). A return we were already
-notified of is a duplicate there and changes nothing; one we never heard
-of is applied now, and its compensating refund driven, exactly as if the
-notification had arrived. A return line naming no payment of ours is a
-break (`unmatched_return`), as is one that contradicts what we recorded
-(`unexpected_return`).
-
-Each run claims its window with a durable tick (`app.workers.ticks`), so with
-several workers exactly one run happens per window, and settles each payment
-in its own fenced transaction: a run killed halfway leaves every payment
-either settled or still parked, and the next run finishes the rest.
+Where it sits: off every request's path. `payments worker` runs
+`reconcile_loop`, `payments reconcile --date D` one window. Each run
+(`run_window`) claims its UTC day with a durable tick (app/workers/ticks.py),
+reads the rail's statements, and settles each parked payout in its own
+fenced transaction through app/machine/engine.py::settle_parked: booked
+once with our amount, succeeded; absent from every final statement of its
+booking horizon, refunded; anything else a break, never auto-corrected.
+Return lines go to app/payments/returns.py::record_return, as a backstop to
+the rail's notifications. docs/reconciliation.md explains each rule and what
+a crash halfway leaves.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """The recovery worker: finds operations that nobody is driving, and drives them.
 
-It does on a schedule exactly what a client retry does: it sweeps the key table for started
-operations with no live lease (their owner died, or released them after an
-unknown outcome), takes each over with the same conditional UPDATE a retry
-uses, and resumes it through the same engine. Whichever gets there first, the
-outcome is identical; the other finds the row finished, or owned, and leaves it.
-
-A sweep that fails (the database is restarting, a connection was cut) is
-logged in one line and tried again after a backoff that grows while the
-failures last (capped at 30 s) and resets after the next good sweep: the
-worker outlives any outage, including one it is started into.
-
-Several workers and API replicas may run at once: the takeover's UPDATE lets
-exactly one of them own an operation, and the fencing check in every phase
-commit stops an owner that stalled past its lease. Nothing here locks rows
-while calling out: a takeover commits at once, like every other phase.
-
-What it reports (docs/operations.md): each sweep and what became of each
-operation it tried, and, at most once per WORKER_POLL_SECONDS, its backlog
-read from the key table (`observe_backlog`): how many operations are due,
-how long the oldest has waited, how many are unfinished and parked.
+Where it sits: in `payments worker` (app/workers/process.py), beside the
+API. It does on a schedule exactly what a client retry does: `sweep_once`
+reads the key table's stranded operations (started, no live lease, due),
+and `recover` takes each over with the same conditional UPDATE and resumes
+it through the same engine; whichever gets there first, the other finds the
+row finished or owned. `recheck_parked` re-probes parked ones, and
+`observe_backlog` reports what is waiting. docs/request-path.md#the-recovery-worker
+explains why several workers and replicas can run at once.
 """
 
 from __future__ import annotations

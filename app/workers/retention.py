@@ -1,26 +1,13 @@
 """Key retention: keep the key table's partitions ahead of time, and drop the days past retention.
 
-Runs inside `payments worker` once per UTC day (a durable tick, job
-`key-partitions`, like reconciliation's: with several workers exactly one
-does the day's upkeep, and a run that fails or dies is taken over), and on
-demand as `payments keys reap [--dry-run]`. Not on a request's path: a claim
-only needs today's partition to exist, and this makes sure it does, a week
-ahead.
-
-One run:
-
-    1. create the partitions of today and the next AHEAD_DAYS days that are missing
-    2. for each partition wholly past KEY_RETENTION_HOURS:
-         move its live rows (started, parked, finished less than retention
-         ago) to today's partition; if a row was held by a live owner, keep
-         the partition for another day;
-         otherwise drop it (app/idempotency/partitions.py says why a DROP,
-         and why no live row can be lost)
-
-Only key rows are ever removed. Payments, ledger entries and reconciliation
-records are business records, and nothing here touches them; after its key is
-gone, a retry is a new request, and the payment's reference (unique among a
-client's live payments) refuses to pay the same order twice.
+Runs inside `payments worker` once per UTC day (the durable tick
+`key-partitions`: with several workers exactly one does the day's upkeep,
+and a run that fails or dies is taken over), and on demand as `payments
+keys reap [--dry-run]`. Not on a request's path: a claim only needs today's
+partition to exist, and `reap` makes sure it does, AHEAD_DAYS ahead; then it
+moves the live rows out of each day past KEY_RETENTION_HOURS and drops that
+day (app/idempotency/partitions.py). Only key rows are ever removed.
+docs/key-table.md#reaping-moving-the-live-rows-out-then-dropping walks one run.
 """
 
 from __future__ import annotations

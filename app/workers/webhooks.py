@@ -1,26 +1,15 @@
 """The webhook dispatcher, inside `payments worker`: claim due deliveries, POST each, record it.
 
 Where it sits: after the commit. A phase wrote the event and its delivery
-with the decision (app/outbox/events.py); this loop is the only thing that
-sends them. One delivery goes through three steps (app/outbox/delivery.py):
-
-    claim   (one statement, committed)   leased, attempt counted and logged
-    POST    (no transaction, no pooled connection held)
-    record  (one statement, fenced by the lease; `Recorder` puts every
-             attempt that finished meanwhile into the same statement)
-
-Several workers may run this loop at once: the claim's FOR UPDATE SKIP
-LOCKED gives each due delivery to one of them, and the lease keeps it theirs
-until it is recorded or the lease runs out (longer than a POST may take), so
-one event is never being delivered by two at the same time.
-
-Up to `webhook_concurrency` deliveries are in flight at once, each in a task
-of its own, so one slow merchant does not hold up the others. Bounded
-everywhere: a failed attempt is retried on the schedule, never at once; a
-claim that fails (the database is away) backs off like the other worker
-loops (app/workers/__init__.py::outage_backoff); and a delivery whose
-record cannot be written simply stays leased until its lease runs out, then
-is sent again, which the receiver's inbox absorbs.
+with the decision (app/outbox/events.py); this loop (`dispatch_loop`) is the
+only thing that sends them, by the three steps of app/outbox/delivery.py:
+claim (committed), POST (no transaction held), record (fenced by the lease;
+`Recorder` puts every attempt that finished meanwhile into one statement).
+Up to `webhook_concurrency` deliveries are in flight, each in a task of its
+own. Several workers may run this loop: the claim's FOR UPDATE SKIP LOCKED
+and the lease keep each delivery with one of them at a time.
+docs/outbox-inbox.md#4-delivery-claim-post-record explains the batching, the
+backoff, and what a crash leaves.
 """
 
 from __future__ import annotations

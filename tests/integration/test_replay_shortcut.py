@@ -22,15 +22,10 @@ from starlette.requests import Request
 from fastapi.security import HTTPAuthorizationCredentials
 
 from app.api import deps
-from app.authentication import PaymentCaller
+from app.authentication import CallerLookup, PaymentCaller
 from app.config import Settings
-from app.fastpath.lookup_pool import Lookup, LookupPool
-from app.fastpath.replay_shortcut import (
-    ReplayShortcut,
-    bearer_api_key,
-    handed_over,
-    payment_caller_handed_over,
-)
+from app.fastpath.lookup_pool import LookupPool
+from app.fastpath.replay_shortcut import ReplayShortcut, bearer_api_key
 from app.problems import ProblemError
 from tests.support import charges, headers, key_row, payment_body, transfers
 
@@ -207,30 +202,30 @@ async def test_anything_it_is_not_sure_of_goes_on_untouched(shortcut, acme, fini
 
 
 def test_a_lookup_handed_over_is_used_only_for_the_same_api_key_and_key():
-    lookup = Lookup("api-key", "key-1", None)
-    request = Request({"type": "http", "state": {"caller_lookup": lookup}})
+    lookup = CallerLookup("api-key", "key-1", None)
+    request = Request({"type": "http", "state": {deps.HANDED_OVER: lookup}})
 
-    assert handed_over(request, "api-key", "key-1") is lookup
-    assert handed_over(request, "api-key", '"key-1"') is lookup  # the same key, quoted
-    assert handed_over(request, "api-key", "key-2") is None
-    assert handed_over(request, "api-key", "white space") is None
-    assert handed_over(request, "api-key", None) is None
-    assert handed_over(request, "other-api-key", "key-1") is None
-    assert handed_over(request, None, "key-1") is None
-    assert handed_over(Request({"type": "http"}), "api-key", "key-1") is None
+    assert deps.handed_over(request, "api-key", "key-1") is lookup
+    assert deps.handed_over(request, "api-key", '"key-1"') is lookup  # the same key, quoted
+    assert deps.handed_over(request, "api-key", "key-2") is None
+    assert deps.handed_over(request, "api-key", "white space") is None
+    assert deps.handed_over(request, "api-key", None) is None
+    assert deps.handed_over(request, "other-api-key", "key-1") is None
+    assert deps.handed_over(request, None, "key-1") is None
+    assert deps.handed_over(Request({"type": "http"}), "api-key", "key-1") is None
 
 
 async def test_the_full_path_takes_the_handed_over_lookup_instead_of_reading_again():
     """Catches: a hand-over that is made but never used, which would cost every new payment a second read."""
     caller = PaymentCaller(7, "key-1", None)
-    request = Request({"type": "http", "state": {"caller_lookup": Lookup("api-key", "key-1", caller)}})
+    request = Request({"type": "http", "state": {deps.HANDED_OVER: CallerLookup("api-key", "key-1", caller)}})
     credentials = HTTPAuthorizationCredentials(scheme="Bearer", credentials="api-key")
 
     # No services: a read would fail.
-    assert await payment_caller_handed_over(request, None, credentials, "key-1") is caller
-    unknown = Request({"type": "http", "state": {"caller_lookup": Lookup("api-key", "key-1", None)}})
+    assert await deps.payment_caller(request, None, credentials, "key-1") is caller
+    unknown = Request({"type": "http", "state": {deps.HANDED_OVER: CallerLookup("api-key", "key-1", None)}})
     with pytest.raises(ProblemError) as refused:
-        await payment_caller_handed_over(unknown, None, credentials, "key-1")
+        await deps.payment_caller(unknown, None, credentials, "key-1")
     assert refused.value.problem.status == 401
 
 
@@ -257,9 +252,11 @@ def test_replay_shortcut_false_leaves_replays_to_the_route(database_url):
     on, off = (create_app(Settings(database_url=database_url, replay_shortcut=s)) for s in (True, False))
 
     assert ReplayShortcut in [m.cls for m in on.user_middleware]
-    assert on.dependency_overrides == {deps.payment_caller: payment_caller_handed_over}
     assert ReplayShortcut not in [m.cls for m in off.user_middleware]
-    assert off.dependency_overrides == {}
+    # No dependency is overridden either way: an override makes FastAPI build
+    # every dependency's description again on every request
+    # (docs/reference/performance.md#before-and-after-the-machine-refactor).
+    assert on.dependency_overrides == {} and off.dependency_overrides == {}
 
 
 def test_the_stacks_second_api_answers_replays_through_the_route(stack):
