@@ -12,9 +12,10 @@
                                  (app/console/sessions.py); logout ends it
 
 Every POST is refused (403) unless it comes from the console's own pages
-(auth.same_origin). Every page first reads what it needs (app/readmodel, one SELECT each, the
-connection back in the pool when it returns); only the operation page then
-asks the PSP and the rail (records.py), with no connection held.
+(auth.same_origin). Every page first reads what it needs (app/readmodel, one
+SELECT each, the connection back in the pool when it returns); only the
+operation page then asks the PSP and the rail (records.py), with no
+connection held.
 """
 
 from __future__ import annotations
@@ -29,12 +30,11 @@ from fastapi.responses import RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
-from app.api.errors import problem_response
 from app.console import auth, records, sessions, timeline
 from app.db.transaction import atomic, one_statement, read
-from app.problems import CROSS_ORIGIN_REQUEST
 from app.payments.models import CURRENCIES
 from app.payments.recovery_points import ALL as RECOVERY_POINTS
+from app.problems import CROSS_ORIGIN_REQUEST, ProblemError
 from app.readmodel import queries
 from app.services import Services
 
@@ -80,19 +80,21 @@ environment.filters.update(ts=_ts, money=_money, masked=_masked)
 templates = Jinja2Templates(env=environment)
 
 class Refusal(Exception):
-    """A page that is not shown: the console is disabled, the caller is not the operator, or a POST came from elsewhere."""
+    """A page that is not shown: the console is disabled, or the caller is not the operator."""
 
     def __init__(self, response: Response) -> None:
         self.response = response
 
 
 async def from_the_console(request: Request) -> None:
-    """Every console route's first check: a POST from another site or origin is refused, and changes nothing."""
+    """Every console route's first check: a POST from another site or origin is refused (403), and changes nothing.
+
+    A ProblemError, answered as problem+json by the app's own handler (app/api/errors.py)."""
     if not auth.same_origin(request.method, request.headers):
-        raise Refusal(problem_response(
+        raise ProblemError(
             CROSS_ORIGIN_REQUEST, f"{request.method} {request.url.path} came from another site or origin",
             headers={"Cache-Control": "no-store"},
-        ))
+        )
 
 
 # On the router, so that a POST added later is checked as well.
