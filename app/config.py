@@ -219,6 +219,10 @@ class Settings(BaseSettings):
     # never open to whoever can reach the port. A secret, so never printed by a
     # refused setting. `make run` generates one when none is set.
     operator_token: SecretStr | None = None
+    # How long a console login lasts (app/console/sessions.py): one working
+    # day of on-call by default, then log in again. Logging out, or a new
+    # OPERATOR_TOKEN, ends a session sooner.
+    console_session_seconds: int = Field(default=12 * 3600, ge=60, le=30 * 24 * 3600)
 
     @property
     def legacy_accounts(self) -> frozenset[str]:

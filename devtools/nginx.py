@@ -133,7 +133,12 @@ http {{
             proxy_pass http://payments_api;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
-            proxy_set_header Host $host;
+            # The host and port the client asked for: the console compares a POST's Origin with it.
+            proxy_set_header Host $http_host;
+            # Whether the client came over TLS: the console's cookie is Secure then.
+            # The API believes it from the addresses in its FORWARDED_ALLOW_IPS only,
+            # and a client's own X-Forwarded-Proto never reaches it.
+            proxy_set_header X-Forwarded-Proto $scheme;
             # What hurts: a POST whose replica died or timed out is re-sent to another replica.
             proxy_next_upstream error timeout non_idempotent;
             proxy_connect_timeout {CONNECT_TIMEOUT};

@@ -146,7 +146,7 @@ async def clean(stack: Stack, db: asyncpg.Connection) -> None:
     """Empty tables and fault plans; autouse in integration/ and crash/."""
     await db.execute(
         "TRUNCATE reconciliation_break, scheduled_run, ledger_entry, idempotency_key, rail_message, payment, client, "
-        "event, webhook_endpoint, webhook_delivery, webhook_attempt, "
+        "event, webhook_endpoint, webhook_delivery, webhook_attempt, console_session, "
         "fake_psp.charge, fake_psp.refund, fake_psp.request, fake_rail.transfer, fake_rail.closed_day, "
         "fake_rail.request, fake_rail.notification_attempt, fake_rail.notification, fake_rail.transfer_return"
     )

@@ -360,3 +360,42 @@ async def test_0009_needs_no_key_when_there_is_no_secret_to_seal(scratch):
         assert "secret" not in columns
     finally:
         await conn.close()
+
+
+async def test_0010_adds_console_sessions_beside_every_row_of_the_previous_head(scratch):
+    from cryptography.fernet import Fernet
+
+    previous = revision_before("0010")
+    await migrate(scratch, previous)
+    conn = await asyncpg.connect(scratch)
+    try:
+        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
+        await insert_payment(conn, uuid.uuid4(), client, "order-1", "succeeded")
+        key = Fernet.generate_key().decode()
+        await conn.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) VALUES ($1, $2, $3)",
+                           client, "https://merchant.example/hooks",
+                           Fernet(key).encrypt(b"whsec_" + b"A" * 32).decode())
+        tables = ("client", "payment", "webhook_endpoint")
+        before = {t: [dict(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1")] for t in tables}
+    finally:
+        await conn.close()
+
+    await migrate(scratch, "0010")
+
+    conn = await asyncpg.connect(scratch)
+    try:
+        assert {t: [dict(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1")] for t in tables} == before
+        assert await conn.fetchval("SELECT count(*) FROM console_session") == 0, "no session invented"
+        digest = b"\x01" * 32
+        await conn.execute("INSERT INTO console_session (id_hash, token_fingerprint, expires_at) "
+                           "VALUES ($1, $1, now() + interval '1 hour')", digest)
+        row = await conn.fetchrow("SELECT * FROM console_session")
+        assert row["revoked_at"] is None and row["expires_at"] - row["created_at"] == timedelta(hours=1)
+        with pytest.raises(asyncpg.UniqueViolationError):
+            await conn.execute("INSERT INTO console_session (id_hash, token_fingerprint, expires_at) "
+                               "VALUES ($1, $1, now() + interval '1 hour')", digest)
+        with pytest.raises(asyncpg.CheckViolationError):  # only a SHA-256 is stored, never the id itself
+            await conn.execute("INSERT INTO console_session (id_hash, token_fingerprint, expires_at) "
+                               "VALUES ('raw-session-id', $1, now() + interval '1 hour')", digest)
+    finally:
+        await conn.close()
