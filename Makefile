@@ -44,8 +44,12 @@ soak: $(STAMP)
 	$(NGINX_CHECK)
 	$(BIN)/python -m devtools.soak --seed $(SEED) --payments $(PAYMENTS) --seconds $(SECONDS) --replicas $(REPLICAS)
 
+# Spread over TEST_WORKERS processes, each with a database and a stack of its
+# own (tests/conftest.py); more than the cores, as most tests wait on the
+# processes they start. TEST_WORKERS=0 runs every test in the one process.
+TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS)
 
 # Deliberate bugs, one safety rule each, that the tests must catch
 # (docs/crash-matrix.md#break-it-yourself); a few minutes.

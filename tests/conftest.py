@@ -7,6 +7,14 @@ it uses that server. Either way it works in a database of its own,
 dropped at its end, so a user's data is never touched and two runs at once
 (two checkouts, a developer and a helper) never share tables.
 
+`make test` spreads the tests over worker processes (pytest-xdist, `-n N`).
+Each worker is a session of its own, so everything below is per worker: its
+own database (the pid is the worker's), its own stack on free ports, its own
+processes to kill. Only the server is shared, started once by the process
+that hands out the tests (`pytest_sessionstart`). A module whose tests share
+a process runs on one worker (ONE_WORKER_MODULES). `pytest` alone, `-n 0` or
+`-p no:xdist` runs every test in the one process, the same way.
+
 The system is started the one way devtools/system.py starts it (as for
 `make run`, the demos and the bench), part by part as the fixtures need it:
 `server_url`, `database_url`, then `stack`. Every process gets an explicit
@@ -14,7 +22,9 @@ environment, never the caller's (`no_caller_settings`).
 
 The fake PSP, the fake rail and two API processes run as separate processes
 for the whole session (`stack`); every integration and crash test starts from
-empty tables and an empty fault plan (`clean`). Unit tests need none of it.
+empty tables and an empty fault plan (`clean`). Unit tests, and the tests of
+the tooling (tests/tooling/: the bench, the soak's audit, the docs, this
+harness), need none of it.
 """
 
 from __future__ import annotations
@@ -63,6 +73,66 @@ def service_setting_names(environ: dict[str, str] | os._Environ) -> list[str]:
         names.add(name.lower())
         names.update(a.lower() for a in (field.alias, field.validation_alias) if isinstance(a, str))
     return [variable for variable in environ if variable.lower() in names]
+
+
+# -- spread over xdist workers (`make test`: pytest -n N) ---------------------
+
+def spread_over_workers(config: pytest.Config) -> bool:
+    """This process hands the tests to xdist workers (`-n N`, N > 0) and runs none itself."""
+    # xdist's own test: it hands out tests unless --dist is "no" (as `-n 0` makes it).
+    handing_out = getattr(config.option, "dist", "no") != "no" and not config.option.collectonly
+    return handing_out and not hasattr(config, "workerinput")
+
+
+CONTROLLER_SYSTEM = pytest.StashKey[System]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With workers, the server is started here, once, before any of them asks for it.
+
+    Each worker's `server_url` then finds it running and leaves it running
+    (System.start_postgres stops only what it started itself), and it is
+    stopped here after the last worker has finished, if this run started it.
+    """
+    if spread_over_workers(session.config):
+        system = System()
+        system.start_postgres(server_url=CALLER_DATABASE_URL)
+        session.config.stash[CONTROLLER_SYSTEM] = system
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if CONTROLLER_SYSTEM in config.stash:
+        config.stash[CONTROLLER_SYSTEM].stop()
+
+
+# Modules whose tests share a module-scoped fixture that starts a server or
+# a process: it is started once per worker that runs one of their tests, so
+# each of these runs on one worker.
+ONE_WORKER_MODULES = (
+    "tests/outage/test_database_outage.py",  # a PostgreSQL server of its own, and a stack on it
+    "tests/console/test_console_pages.py",  # an API process with the console switched on
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """xdist's `load` (each test to the next free worker), but a module of ONE_WORKER_MODULES whole.
+
+    Not `--dist loadgroup` with xdist_group marks: with pytest 9.2 its
+    groups never reach the scheduler (pytest-xdist issue 1386). `loadscope`'s
+    scheduler, cutting the tests into these units, does it, and sends the
+    larger units out first.
+    """
+    if config.getvalue("dist") != "load":
+        return None  # the caller chose another distribution
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return ModulesTogether(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
