@@ -45,9 +45,9 @@ soak: $(STAMP)
 	$(BIN)/python -m devtools.soak --seed $(SEED) --payments $(PAYMENTS) --seconds $(SECONDS) --replicas $(REPLICAS)
 
 # Spread over TEST_WORKERS processes, each with a database and a stack of its
-# own (tests/conftest.py); more than the cores, as most tests wait on the
-# processes they start. TEST_WORKERS=0 runs every test in the one process.
-TEST_WORKERS ?= 3
+# own; `auto` is three, fewer if the server has too few connections for them
+# (tests/conftest.py). TEST_WORKERS=0 runs every test in the one process.
+TEST_WORKERS ?= auto
 test: $(STAMP)
 	$(BIN)/pytest -n $(TEST_WORKERS)
 

@@ -44,8 +44,9 @@ import pytest
 from app import client_accounts
 from app.config import Settings
 from app.outbox import endpoints
+from devtools import embedded_db
 from devtools.processes import BIN, Process
-from devtools.system import System
+from devtools.system import System, with_database
 
 TEST_DATABASE = f"payments_test_{os.getpid()}"
 LEGACY_IBAN = "GB82WEST12345698765432"  # payouts to this account go over the legacy path
@@ -103,6 +104,41 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if CONTROLLER_SYSTEM in config.stash:
         config.stash[CONTROLLER_SYSTEM].stop()
+
+
+# `-n auto` (`make test`): more workers than this machine's two cores, as
+# most tests wait on the processes they start rather than compute.
+WORKERS = 3
+# The most one worker holds open on the server at once: its two API
+# processes' pools (grown to their size by the concurrency tests, and kept),
+# the fakes' pools, its tests' own processes and connections, and the fakes'
+# records of the outage tests' private stack.
+CONNECTIONS_PER_WORKER = 75
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: WORKERS, or as many as the server has connections for, at least one."""
+    return max(1, min(WORKERS, asyncio.run(connection_room()) // CONNECTIONS_PER_WORKER))
+
+
+async def connection_room() -> int:
+    """How many more connections the tests' server takes now (the embedded one: once started)."""
+    if CALLER_DATABASE_URL:
+        url = with_database(CALLER_DATABASE_URL, "postgres")
+    else:
+        server = embedded_db.default_server()
+        if not embedded_db.is_accepting(server.port):
+            return embedded_db.MAX_CONNECTIONS
+        url = server.url()
+    conn = await asyncpg.connect(url)
+    try:
+        return await conn.fetchval(
+            "SELECT current_setting('max_connections')::int - current_setting('superuser_reserved_connections')::int"
+            " - (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')"
+        )
+    finally:
+        await conn.close()
 
 
 # Modules whose tests share a module-scoped fixture that starts a server or
