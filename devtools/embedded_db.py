@@ -35,7 +35,7 @@ DEFAULT_PORT = 54329
 # More than the default 100: the bench, and each worker of the tests, runs two
 # API processes, the fakes and recovery workers at once, each with its own
 # pool (tests/conftest.py sizes its workers by this).
-MAX_CONNECTIONS = 300
+MAX_CONNECTIONS = 400
 
 
 @dataclass(frozen=True)

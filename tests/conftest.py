@@ -109,11 +109,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # `-n auto` (`make test`): more workers than this machine's two cores, as
 # most tests wait on the processes they start rather than compute.
 WORKERS = 3
-# The most one worker holds open on the server at once: its two API
-# processes' pools (grown to their size by the concurrency tests, and kept),
-# the fakes' pools, its tests' own processes and connections, and the fakes'
-# records of the outage tests' private stack.
-CONNECTIONS_PER_WORKER = 75
+# What one worker may hold open on the server at once: its two API
+# processes' pools (grown to their size by the concurrency tests, and kept)
+# and the three fakes', its tests' own processes and connections, and for
+# the outage tests the fakes of their private stack.
+CONNECTIONS_PER_WORKER = 100
 
 
 @pytest.hookimpl(optionalhook=True)
