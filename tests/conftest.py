@@ -23,8 +23,8 @@ environment, never the caller's (`no_caller_settings`).
 The fake PSP, the fake rail and two API processes run as separate processes
 for the whole session (`stack`); every integration and crash test starts from
 empty tables and an empty fault plan (`clean`). Unit tests, and the tests of
-the tooling (tests/tooling/: the bench, the soak's audit, the docs, this
-harness), need none of it.
+the tooling (tests/tooling/: the bench, the soak's audit, the docs, nginx's
+configurations, this harness), need none of it.
 """
 
 from __future__ import annotations
