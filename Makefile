@@ -45,8 +45,12 @@ soak: $(STAMP)
 	$(NGINX_CHECK)
 	$(BIN)/python -m devtools.soak --seed $(SEED) --payments $(PAYMENTS) --seconds $(SECONDS) --replicas $(REPLICAS)
 
+# Spread over TEST_WORKERS processes, each with a database and a stack of its
+# own; `auto` is three, fewer if the server has too few connections for them
+# (tests/conftest.py). TEST_WORKERS=0 runs every test in the one process.
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS)
 
 # Deliberate bugs, one safety rule each, that the tests must catch
 # (docs/crash-matrix.md#break-it-yourself); a few minutes.

@@ -32,6 +32,10 @@ with warnings.catch_warnings():
 
 SERVER_USER = "embedded_postgres"
 DEFAULT_PORT = 54329
+# More than the default 100: the bench, and each worker of the tests, runs two
+# API processes, the fakes and recovery workers at once, each with its own
+# pool (tests/conftest.py sizes its workers by this).
+MAX_CONNECTIONS = 400
 
 
 @dataclass(frozen=True)
@@ -95,9 +99,7 @@ def start(server: EmbeddedServer) -> bool:
         )
     # The socket goes in the data directory: /tmp may not be writable by the
     # server user, and no other program needs the socket (we use TCP).
-    # Tests and benchmarks run two API processes, both fakes and a recovery
-    # worker at once, each with its own pool: more than the default 100.
-    options = f"-h 127.0.0.1 -p {server.port} -k {server.data_dir} -c max_connections=300"
+    options = f"-h 127.0.0.1 -p {server.port} -k {server.data_dir} -c max_connections={MAX_CONNECTIONS}"
     subprocess.run(
         [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(server.data_dir), "-l", str(server.data_dir / "server.log"),
          "-o", options, "-w", "-t", "60", "start"],

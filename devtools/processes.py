@@ -58,9 +58,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def answers_health(url: str) -> bool:
+def answers_health(client: httpx.Client, url: str) -> bool:
     try:
-        return httpx.get(url + "/healthz", timeout=1).status_code == 200
+        return client.get(url + "/healthz").status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -73,14 +73,19 @@ def wait_healthy(
     timeout: float = 30,
     ready: Callable[[], bool] = lambda: True,
 ) -> None:
-    """Poll `url`/healthz (and `ready`) until both say yes; bounded by `timeout`."""
+    """Poll `url`/healthz (and `ready`) until both say yes; bounded by `timeout`.
+
+    One client for the whole wait: building one (its TLS context, unused on
+    loopback HTTP) costs the test process more than the poll it makes.
+    """
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if child.poll() is not None:
-            raise NotHealthy(f"{name} exited with code {child.returncode}")
-        if ready() and answers_health(url):
-            return
-        time.sleep(0.1)  # readiness polling, bounded by the deadline
+    with httpx.Client(timeout=1) as client:
+        while time.monotonic() < deadline:
+            if child.poll() is not None:
+                raise NotHealthy(f"{name} exited with code {child.returncode}")
+            if ready() and answers_health(client, url):
+                return
+            time.sleep(0.1)  # readiness polling, bounded by the deadline
     raise NotHealthy(f"{name} did not become healthy at {url}")
 
 

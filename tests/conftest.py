@@ -7,6 +7,14 @@ it uses that server. Either way it works in a database of its own,
 dropped at its end, so a user's data is never touched and two runs at once
 (two checkouts, a developer and a helper) never share tables.
 
+`make test` spreads the tests over worker processes (pytest-xdist, `-n N`).
+Each worker is a session of its own, so everything below is per worker: its
+own database (the pid is the worker's), its own stack on free ports, its own
+processes to kill. Only the server is shared, started once by the process
+that hands out the tests (`pytest_sessionstart`). A module whose tests share
+a process runs on one worker (ONE_WORKER_MODULES). `pytest` alone, `-n 0` or
+`-p no:xdist` runs every test in the one process, the same way.
+
 The system is started the one way devtools/system.py starts it (as for
 `make run`, the demos and the bench), part by part as the fixtures need it:
 `server_url`, `database_url`, then `stack`. Every process gets an explicit
@@ -14,7 +22,9 @@ environment, never the caller's (`no_caller_settings`).
 
 The fake PSP, the fake rail and two API processes run as separate processes
 for the whole session (`stack`); every integration and crash test starts from
-empty tables and an empty fault plan (`clean`). Unit tests need none of it.
+empty tables and an empty fault plan (`clean`). Unit tests, and the tests of
+the tooling (tests/tooling/: the bench, the soak's audit, the docs, nginx's
+configurations, this harness), need none of it.
 """
 
 from __future__ import annotations
@@ -34,8 +44,9 @@ import pytest
 from app import client_accounts
 from app.config import Settings
 from app.outbox import endpoints, sealing
+from devtools import embedded_db
 from devtools.processes import BIN, Process
-from devtools.system import System
+from devtools.system import System, with_database
 
 TEST_DATABASE = f"payments_test_{os.getpid()}"
 LEGACY_IBAN = "GB82WEST12345698765432"  # payouts to this account go over the legacy path
@@ -67,6 +78,101 @@ def service_setting_names(environ: dict[str, str] | os._Environ) -> list[str]:
         names.add(name.lower())
         names.update(a.lower() for a in (field.alias, field.validation_alias) if isinstance(a, str))
     return [variable for variable in environ if variable.lower() in names]
+
+
+# -- spread over xdist workers (`make test`: pytest -n N) ---------------------
+
+def spread_over_workers(config: pytest.Config) -> bool:
+    """This process hands the tests to xdist workers (`-n N`, N > 0) and runs none itself."""
+    # xdist's own test: it hands out tests unless --dist is "no" (as `-n 0` makes it).
+    handing_out = getattr(config.option, "dist", "no") != "no" and not config.option.collectonly
+    return handing_out and not hasattr(config, "workerinput")
+
+
+CONTROLLER_SYSTEM = pytest.StashKey[System]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With workers, the server is started here, once, before any of them asks for it.
+
+    Each worker's `server_url` then finds it running and leaves it running
+    (System.start_postgres stops only what it started itself), and it is
+    stopped here after the last worker has finished, if this run started it.
+    """
+    if spread_over_workers(session.config):
+        system = System()
+        system.start_postgres(server_url=CALLER_DATABASE_URL)
+        session.config.stash[CONTROLLER_SYSTEM] = system
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if CONTROLLER_SYSTEM in config.stash:
+        config.stash[CONTROLLER_SYSTEM].stop()
+
+
+# `-n auto` (`make test`): more workers than this machine's two cores, as
+# most tests wait on the processes they start rather than compute.
+WORKERS = 3
+# What one worker may hold open on the server at once: its two API
+# processes' pools (grown to their size by the concurrency tests, and kept)
+# and the three fakes', its tests' own processes and connections, and for
+# the outage tests the fakes of their private stack.
+CONNECTIONS_PER_WORKER = 100
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: WORKERS, or as many as the server has connections for, at least one."""
+    return max(1, min(WORKERS, asyncio.run(connection_room()) // CONNECTIONS_PER_WORKER))
+
+
+async def connection_room() -> int:
+    """How many more connections the tests' server takes now (the embedded one: once started)."""
+    if CALLER_DATABASE_URL:
+        url = with_database(CALLER_DATABASE_URL, "postgres")
+    else:
+        server = embedded_db.default_server()
+        if not embedded_db.is_accepting(server.port):
+            return embedded_db.MAX_CONNECTIONS
+        url = server.url()
+    conn = await asyncpg.connect(url)
+    try:
+        return await conn.fetchval(
+            "SELECT current_setting('max_connections')::int - current_setting('superuser_reserved_connections')::int"
+            " - (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')"
+        )
+    finally:
+        await conn.close()
+
+
+# Modules whose tests share a module-scoped fixture that starts a server or
+# a process: it is started once per worker that runs one of their tests, so
+# each of these runs on one worker.
+ONE_WORKER_MODULES = (
+    "tests/outage/test_database_outage.py",  # a PostgreSQL server of its own, and a stack on it
+    "tests/console/test_console_pages.py",  # an API process with the console switched on
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """xdist's `load` (each test to the next free worker), but a module of ONE_WORKER_MODULES whole.
+
+    Not `--dist loadgroup` with xdist_group marks: with pytest 9.2 its
+    groups never reach the scheduler (pytest-xdist issue 1386). `loadscope`'s
+    scheduler, cutting the tests into these units, does it, and sends the
+    larger units out first.
+    """
+    if config.getvalue("dist") != "load":
+        return None  # the caller chose another distribution
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return ModulesTogether(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -141,21 +247,56 @@ async def http() -> httpx.AsyncClient:
         yield client
 
 
+# Every table a test may write, children before their parents (a row is
+# deleted before the row it references).
+SERVICE_TABLES = (
+    "webhook_attempt", "webhook_delivery", "webhook_endpoint", "event", "reconciliation_break", "ledger_entry",
+    "rail_message", "idempotency_key", "payment", "client", "scheduled_run", "console_session",
+    "fake_psp.refund", "fake_psp.charge", "fake_psp.request",
+    "fake_rail.notification_attempt", "fake_rail.notification", "fake_rail.transfer_return", "fake_rail.transfer",
+    "fake_rail.closed_day", "fake_rail.request",
+)
+MERCHANT_TABLES = (
+    "fake_merchant.processed_message", "fake_merchant.payment", "fake_merchant.received", "fake_merchant.secret",
+    "fake_merchant.request",
+)
+# Whether autovacuum has analysed any of the tables (or a partition of one)
+# since it was last truncated: reltuples is -1 until then.
+ANALYSED = """
+    SELECT count(*) FROM unnest($1::text[]::regclass[]) AS t, pg_partition_tree(t) AS p
+      JOIN pg_class c ON c.oid = p.relid
+     WHERE p.isleaf AND c.reltuples >= 0
+"""
+
+
+async def empty_tables(db: asyncpg.Connection, tables: tuple[str, ...]) -> None:
+    """Leave `tables` as TRUNCATE leaves them, by the cheaper DELETE where that is the same.
+
+    TRUNCATE gives each table, each of the key table's partitions and every
+    index new files, and makes each connection of the API processes rebuild
+    its cache of them: before every test. DELETE does neither. The tables are
+    locked first, all at once, as TRUNCATE locks them, so that nothing still
+    running from the last test writes in between. DELETE keeps a table's
+    statistics, which TRUNCATE resets; once autovacuum has gathered some,
+    the planner reads an empty table whole instead of through its index
+    (which test_key_table.py checks), so then the tables are TRUNCATEd.
+    """
+    async with db.transaction():
+        await db.execute(f"LOCK TABLE {', '.join(tables)} IN ACCESS EXCLUSIVE MODE; "
+                         + " ".join(f"DELETE FROM {table};" for table in tables))
+    if await db.fetchval(ANALYSED, list(tables)):
+        await db.execute(f"TRUNCATE {', '.join(tables)}")
+
+
 @pytest.fixture
-async def clean(stack: Stack, db: asyncpg.Connection) -> None:
+async def clean(stack: Stack, db: asyncpg.Connection, http: httpx.AsyncClient) -> None:
     """Empty tables and fault plans; autouse in integration/ and crash/."""
-    await db.execute(
-        "TRUNCATE reconciliation_break, scheduled_run, ledger_entry, idempotency_key, rail_message, payment, client, "
-        "event, webhook_endpoint, webhook_delivery, webhook_attempt, console_session, "
-        "fake_psp.charge, fake_psp.refund, fake_psp.request, fake_rail.transfer, fake_rail.closed_day, "
-        "fake_rail.request, fake_rail.notification_attempt, fake_rail.notification, fake_rail.transfer_return"
-    )
-    async with httpx.AsyncClient() as client:
-        for rail in (stack.psp, stack.rail):
-            (await client.delete(rail.url + "/_admin/faults")).raise_for_status()
-        # The rail notifies returns to the first API (a test may point it elsewhere).
-        notify = {"url": stack.api + "/v1/rail/notifications", "secret": RAIL_SECRET}
-        (await client.put(stack.rail.url + "/_admin/notify", json=notify)).raise_for_status()
+    await empty_tables(db, SERVICE_TABLES)
+    for rail in (stack.psp, stack.rail):
+        (await http.delete(rail.url + "/_admin/faults")).raise_for_status()
+    # The rail notifies returns to the first API (a test may point it elsewhere).
+    notify = {"url": stack.api + "/v1/rail/notifications", "secret": RAIL_SECRET}
+    (await http.put(stack.rail.url + "/_admin/notify", json=notify)).raise_for_status()
 
 
 @pytest.fixture(scope="session")
@@ -196,20 +337,16 @@ class Shop(Client):
 
 
 @pytest.fixture
-async def shop(db: asyncpg.Connection, stack: Stack, merchant: Process, clean: None) -> Shop:
+async def shop(db: asyncpg.Connection, stack: Stack, merchant: Process, http: httpx.AsyncClient, clean: None) -> Shop:
     """A client with a webhook endpoint at the fake merchant; the merchant's records and faults emptied."""
-    await db.execute(
-        "TRUNCATE fake_merchant.processed_message, fake_merchant.payment, fake_merchant.received, "
-        "fake_merchant.secret, fake_merchant.request"
-    )
+    await empty_tables(db, MERCHANT_TABLES)
     client = await make_client(db, "shop")
     secret = endpoints.new_secret()
     url = merchant.url + "/webhooks"
     await db.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) VALUES ($1, $2, $3)",
                      client.id, url, seal(secret))
-    async with httpx.AsyncClient() as http:
-        (await http.delete(merchant.url + "/_admin/faults")).raise_for_status()
-        (await http.put(merchant.url + "/_admin/secrets", json={"secrets": [secret]})).raise_for_status()
+    (await http.delete(merchant.url + "/_admin/faults")).raise_for_status()
+    (await http.put(merchant.url + "/_admin/secrets", json={"secrets": [secret]})).raise_for_status()
     return Shop(client.id, client.api_key, url, secret)
 
 

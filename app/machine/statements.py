@@ -18,7 +18,7 @@ so the key row is locked before the payment row in every phase: two
 attempts can never deadlock each other.
 
 docs/reference/statements.md shows every phase's statement whole, rendered
-from these builders (tests/unit/test_statements_doc.py keeps it true).
+from these builders (tests/tooling/test_statements_doc.py keeps it true).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """A private stack for tests that take the database away.
 
 The session's stack (tests/conftest.py) shares one PostgreSQL server with
-every other test, and with other checkouts running tests at the same time;
-stopping it, or terminating its backends, would break them. So the tests here
+every other test, the other workers' too, and with other checkouts running
+tests at the same time; stopping it, or terminating its backends, would break
+them. So the tests here
 get a PostgreSQL server of their own (the embedded one, on its own data
 directory and free port), migrate a database on it, and start an API (two),
 a recovery worker, and the fake PSP and rail against it.
