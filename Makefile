@@ -1,7 +1,7 @@
 # Two commands on a fresh machine with Python 3.11+ and make:
 #   make run    start the whole system (embedded PostgreSQL unless DATABASE_URL is set)
 #   make test   run the test suite against real PostgreSQL and real processes
-# With nginx installed (apt-get install nginx), docs/chaos.md:
+# With nginx and its JavaScript module installed (apt-get install nginx libnginx-mod-http-js), docs/chaos.md:
 #   make cluster REPLICAS=3   the system with N API replicas and two workers behind nginx
 #   make soak                 a seeded chaos run through nginx, audited three ways
 
