@@ -11,7 +11,10 @@ development (`make run`) is not a command of the service: it is devtools/run.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import typer
 from rich.console import Console
@@ -24,6 +27,15 @@ cli.add_typer(keys_cli, name="keys")
 events_cli = typer.Typer(help="Events and their webhook deliveries (docs/outbox-inbox.md).", no_args_is_help=True)
 cli.add_typer(events_cli, name="events")
 console = Console()
+# Refusals and errors: one line each, on stderr, so a script that reads a
+# command's answer on stdout never mistakes one for it.
+errors = Console(stderr=True)
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def _refuse(line: str, code: int = 2) -> typer.Exit:
+    errors.print(line, style="red", soft_wrap=True, markup=False, highlight=False)
+    return typer.Exit(code)
 
 
 def _database_url() -> str:
@@ -31,14 +43,35 @@ def _database_url() -> str:
 
     url = os.environ.get("DATABASE_URL")
     if not url:
-        console.print("[red]DATABASE_URL is not set.[/] Use `make run`, or point it at a PostgreSQL server.")
-        raise typer.Exit(2)
+        raise _refuse("DATABASE_URL is not set. Use `make run`, or point it at a PostgreSQL server.")
     try:
         asyncpg_url(url)
     except ValueError as exc:  # the message never repeats the URL (it holds a password)
-        console.print(f"DATABASE_URL is {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        raise _refuse(f"DATABASE_URL is {exc}") from None
     return url
+
+
+def _uses_database(command: F) -> F:
+    """A command that works on DATABASE_URL: a database it cannot use stops it with one line (exit 2), not a traceback.
+
+    The line names the URL without its password, and says what to do where
+    there is something to do (`payments migrate` on an unmigrated one).
+    Any other error keeps its traceback: it is a bug to report.
+    """
+
+    @functools.wraps(command)
+    def checked(*args, **kwargs) -> None:
+        from app.db.errors import database_problem
+
+        try:
+            command(*args, **kwargs)
+        except Exception as exc:
+            line = database_problem(exc, os.environ.get("DATABASE_URL", ""))
+            if line is None:
+                raise
+            raise _refuse(line) from None
+
+    return checked  # type: ignore[return-value]
 
 
 def _settings():
@@ -64,11 +97,10 @@ def _settings():
             message = error["msg"].removeprefix("Value error, ")
             # A check across settings has no one name; its message names them.
             line = f"invalid setting {name}: {message}" if name else f"invalid settings: {message}"
-            console.print(line, style="red", soft_wrap=True, markup=False, highlight=False)
+            errors.print(line, style="red", soft_wrap=True, markup=False, highlight=False)
         raise typer.Exit(2) from None
     except ValueError as exc:
-        console.print(f"invalid setting PAYMENTS_CRASH_AT: {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        raise _refuse(f"invalid setting PAYMENTS_CRASH_AT: {exc}") from None
 
 
 @cli.command()
@@ -176,6 +208,7 @@ def worker() -> None:
 
 
 @cli.command()
+@_uses_database
 def reconcile(
     day: str = typer.Option(None, "--date", help="The statement day (YYYY-MM-DD, UTC); default yesterday."),
 ) -> None:
@@ -211,6 +244,7 @@ def reconcile(
 
 
 @cli.command()
+@_uses_database
 def breaks() -> None:
     """List reconciliation breaks: what could not be settled safely, for a person to look at."""
     from app.admin import on_database
@@ -246,25 +280,26 @@ def crash_points_command(
 @cli.command()
 def migrate() -> None:
     """Apply database migrations (Alembic) to DATABASE_URL."""
-    from sqlalchemy.exc import DBAPIError
-
     from app.admin import migrate_database
-    from app.config import redacted_url
+    from app.db.errors import database_problem
 
     url = _database_url()
     try:
         created = migrate_database(url)
-    except (OSError, DBAPIError) as exc:
-        # The database is unreachable or refused us: say which one, without
-        # its password, and why, without a page of traceback.
-        console.print(f"cannot migrate {redacted_url(url)}: {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
-        raise typer.Exit(1) from None
+    except Exception as exc:
+        # Unreachable, not there, or refused us: say which one, without its
+        # password, and why, without a page of traceback (README.md#settings: exit 2).
+        line = database_problem(exc, url)
+        if line is None:
+            raise
+        raise _refuse(f"cannot migrate: {line}") from None
     console.print("schema is at the newest revision")
     if created:
         console.print("key table partitions created: " + ", ".join(created))
 
 
 @keys_cli.command("reap")
+@_uses_database
 def keys_reap(
     dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be created, moved and dropped; change nothing."),
 ) -> None:
@@ -300,6 +335,7 @@ def keys_reap(
 
 
 @clients_cli.command("create")
+@_uses_database
 def clients_create(
     name: str,
     webhook_url: str = typer.Option(None, "--webhook-url", help="POST this client's events here (Standard Webhooks)."),
@@ -331,6 +367,7 @@ def _print_secret(webhook_url: str, secret: str | None) -> None:
 
 
 @clients_cli.command("set-webhook")
+@_uses_database
 def clients_set_webhook(
     name: str,
     webhook_url: str,
@@ -354,6 +391,7 @@ def clients_set_webhook(
 
 
 @clients_cli.command("remove-webhook")
+@_uses_database
 def clients_remove_webhook(name: str) -> None:
     """Remove the client's webhook endpoint; its pending deliveries are cancelled (events stay in GET /v1/events)."""
     from app.admin import set_webhook
@@ -369,6 +407,7 @@ def clients_remove_webhook(name: str) -> None:
 
 
 @events_cli.command("redeliver")
+@_uses_database
 def events_redeliver(event_id: str) -> None:
     """Deliver an event's webhook again, with a fresh retry schedule (a dead one, or any finished one)."""
     import uuid
@@ -395,6 +434,7 @@ def events_redeliver(event_id: str) -> None:
 
 
 @events_cli.command("list")
+@_uses_database
 def events_list(
     state: str = typer.Option(None, "--state", help="pending, delivered, dead or cancelled (default: all)."),
     limit: int = typer.Option(20, "--limit", min=1, max=1000),
@@ -421,6 +461,7 @@ def events_list(
 
 
 @events_cli.command("attempts")
+@_uses_database
 def events_attempts(event_id: str) -> None:
     """Every delivery attempt of one event: when, where, status, latency, error class."""
     import uuid

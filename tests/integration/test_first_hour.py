@@ -1,0 +1,83 @@
+"""The errors a new user meets in the first hour: one line each, exit 2, with what to do.
+
+Every command that works on DATABASE_URL is run for real (a subprocess)
+against a database it cannot use: none listening, one that is not migrated
+(a fresh empty database on the tests' server), and a URL that is wrong (not
+PostgreSQL, or naming a database that does not exist). Each must answer with
+one line on stderr naming the URL without its password, and exit 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from devtools.processes import BIN
+from devtools.system import System
+
+PASSWORD = "s3cret-first-hour"
+COMMANDS = [
+    ("breaks",), ("events", "list"), ("keys", "reap", "--dry-run"), ("clients", "create", "acme"),
+    ("reconcile",), ("migrate",),
+]
+
+
+async def payments(*args: str, database_url: str) -> tuple[int, str, str]:
+    """`payments <args>` with only DATABASE_URL set: its exit code, stdout and stderr."""
+    process = await asyncio.create_subprocess_exec(
+        str(BIN / "payments"), *args, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "DATABASE_URL": database_url},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=120)
+    return process.returncode, out.decode(), err.decode()
+
+
+async def each(commands, database_url: str) -> list[tuple[tuple[str, ...], int, str, str]]:
+    results = await asyncio.gather(*(payments(*command, database_url=database_url) for command in commands))
+    return [(command, *result) for command, result in zip(commands, results)]
+
+
+def assert_one_line(command, code: int, out: str, err: str, *expected: str) -> None:
+    shown = f"payments {' '.join(command)}: exit {code}\nstdout: {out!r}\nstderr: {err!r}"
+    assert code == 2, shown
+    assert out == "", shown
+    assert len(err.splitlines()) == 1, shown
+    assert PASSWORD not in err, shown
+    for text in expected:
+        assert text in err, shown
+
+
+def with_password(url: str, database: str) -> str:
+    return make_url(url).set(database=database, password=PASSWORD).render_as_string(hide_password=False)
+
+
+async def test_with_the_database_down_each_command_says_so_in_one_line():
+    url = f"postgresql://payments:{PASSWORD}@127.0.0.1:1/payments"  # nothing listens on port 1
+
+    for command, code, out, err in await each(COMMANDS, url):
+        assert_one_line(command, code, out, err, "cannot reach the database at postgresql://payments:***@127.0.0.1:1/payments")
+
+
+async def test_on_a_database_not_migrated_each_command_says_to_run_migrate(system: System, server_url: str):
+    name = f"first_hour_{uuid.uuid4().hex[:8]}"
+    url = with_password(system.create_database(name, migrate=False, drop_at_end=True), name)
+
+    for command, code, out, err in await each([c for c in COMMANDS if c != ("migrate",)], url):
+        assert_one_line(command, code, out, err, "is not migrated: run `payments migrate`")
+
+
+@pytest.mark.parametrize("url, expected", [
+    (f"mysql://payments:{PASSWORD}@127.0.0.1/payments", "DATABASE_URL is not a PostgreSQL URL (mysql://...)"),
+    ("no-such-database", "does not exist: create it, or fix DATABASE_URL"),
+])
+async def test_with_a_wrong_url_each_command_says_what_is_wrong(url, expected, server_url: str):
+    if url == "no-such-database":
+        url = with_password(server_url, f"no_such_database_{uuid.uuid4().hex[:8]}")
+
+    for command, code, out, err in await each(COMMANDS, url):
+        assert_one_line(command, code, out, err, expected)
+
