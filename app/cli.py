@@ -157,12 +157,16 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
                           f"({settings.api_metrics_host}:{settings.api_metrics_port}): {exc.strerror or exc}",
                           style="red", soft_wrap=True, markup=False, highlight=False)
             raise typer.Exit(2) from None
-    import functools
+    import logging
 
     import uvicorn
 
     from app.api.http_protocol import Bounds, BoundedHttpToolsProtocol
 
+    # Said before anything can stall, so a person sees at once that it started
+    # and where; each worker process then says whether the database answers (app/main.py).
+    logs.configure(settings.log_format, settings.log_level)
+    logging.getLogger("app.cli").info("serving %s on http://%s:%d with %d worker process(es)", factory, host, port, workers)
     bounds = Bounds(settings.body_timeout_seconds, settings.max_connections_per_peer, tuple(settings.trusted_proxies))
     # Each worker process calls the factory, so each builds its own engine
     # and HTTP client after the fork: nothing pooled is shared across processes.

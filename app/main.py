@@ -3,6 +3,9 @@ rail clients once per process, and hands them to the routes."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
 from contextlib import asynccontextmanager, nullcontext
 
 from fastapi import FastAPI
@@ -16,12 +19,18 @@ from app.api.metrics import RequestMetrics
 from app.api.rail_notifications import router as rail_router
 from app.api.routes import router
 from app.console import routes as console
-from app.config import Settings
+from app.config import Settings, redacted_url
+from app.db.errors import database_problem
 from app.fastpath import replay_shortcut
 from app.fastpath.lookup_pool import LookupPool
 from app.observability import metrics
 from app.problems import CATALOGUE
-from app.services import open_services
+from app.services import Services, database_answers, open_services
+
+log = logging.getLogger(__name__)
+# How long the start-up probe waits for the database before it says it does
+# not answer (the API serves meanwhile, and /healthz says 503 until it does).
+STARTUP_PROBE_SECONDS = 5
 
 DESCRIPTION = """
 A payments API that moves money **exactly once**, however often a request is
@@ -59,9 +68,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         async with open_services(settings) as services, lookups or nullcontext():
             app.state.services = services
+            log.info("API process %d started", os.getpid())
+            # Said in the background: serving does not wait for it.
+            probe = asyncio.create_task(_say_whether_the_database_answers(services))
             try:
                 yield
             finally:
+                probe.cancel()
                 # uvicorn has just cancelled the requests still running after
                 # SHUTDOWN_GRACE_SECONDS; let each give its lease back before
                 # the engine is disposed (app/api/in_flight.py).
@@ -103,6 +116,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.add_middleware(RequestMetrics)
     _document_the_api_as_it_answers(app)
     return app
+
+
+async def _say_whether_the_database_answers(services: Services) -> None:
+    """One line at start-up: the database answers, or why not (the first thing a new user needs to know)."""
+    url = services.settings.database_url
+    try:
+        await asyncio.wait_for(database_answers(services), STARTUP_PROBE_SECONDS)
+    except TimeoutError:
+        log.warning("the database at %s does not answer within %g s; /healthz answers 503 until it does",
+                    redacted_url(url), STARTUP_PROBE_SECONDS)
+    except Exception as exc:
+        problem = database_problem(exc, url) or f"the database at {redacted_url(url)} does not answer: {type(exc).__name__}"
+        log.warning("%s; /healthz answers 503 until it answers", problem)
+    else:
+        log.info("the database at %s answers", redacted_url(url))
 
 
 def _document_the_api_as_it_answers(app: FastAPI) -> None:

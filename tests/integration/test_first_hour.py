@@ -16,7 +16,7 @@ import uuid
 import pytest
 from sqlalchemy.engine import make_url
 
-from devtools.processes import BIN
+from devtools.processes import BIN, free_port
 from devtools.system import System
 
 PASSWORD = "s3cret-first-hour"
@@ -81,3 +81,32 @@ async def test_with_a_wrong_url_each_command_says_what_is_wrong(url, expected, s
     for command, code, out, err in await each(COMMANDS, url):
         assert_one_line(command, code, out, err, expected)
 
+
+async def test_the_api_says_it_started_and_that_the_database_does_not_answer():
+    url = f"postgresql://payments:{PASSWORD}@127.0.0.1:1/payments"
+    process = await asyncio.create_subprocess_exec(
+        str(BIN / "payments"), "api", "--port", str(free_port()),
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "DATABASE_URL": url,
+             "API_METRICS_PORT": str(free_port()), "LOG_FORMAT": "console"},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    lines: list[str] = []
+    try:
+        async def until_the_database_is_named() -> None:
+            while line := (await process.stdout.readline()).decode():
+                lines.append(line)
+                if "cannot reach the database" in line:
+                    return
+
+        # Within the start-up probe's bound, with room for a loaded machine: before, nothing came at all.
+        await asyncio.wait_for(until_the_database_is_named(), timeout=30)
+    finally:
+        process.terminate()
+        await process.wait()
+
+    said = "".join(lines)
+    assert "serving app.main:create_app on http://127.0.0.1:" in said, said
+    assert "API process" in said and "started" in said, said
+    assert "cannot reach the database at postgresql://payments:***@127.0.0.1:1/payments" in said, said
+    assert "/healthz answers 503 until it answers" in said, said
+    assert PASSWORD not in said
