@@ -343,24 +343,43 @@ def keys_reap(
 def clients_create(
     name: str,
     webhook_url: str = typer.Option(None, "--webhook-url", help="POST this client's events here (Standard Webhooks)."),
+    allow_duplicate_name: bool = typer.Option(
+        False, "--allow-duplicate-name", help="Create it even if a client has this name (then address them by id)."),
 ) -> None:
-    """Create a client and print its API key (shown once, stored hashed), and its webhook secret."""
-    from app.admin import create_client, set_webhook
+    """Create a client and print its id and API key (shown once, stored hashed), and its webhook secret."""
+    from app.admin import NameTaken, create_client, set_webhook
     from app.outbox.endpoints import InvalidWebhookUrl, checked_url
 
     url = _database_url()
+    if name.isdigit():
+        raise _refuse(f"a client's name cannot be digits only ({name!r}): the commands would read it as a client id")
     if webhook_url is not None:
         try:
             checked_url(webhook_url)
         except InvalidWebhookUrl as exc:
-            console.print(str(exc), style="red", soft_wrap=True, markup=False, highlight=False)
-            raise typer.Exit(2) from None
-    client_id, api_key = create_client(url, name)
-    console.print(f"client {client_id} ({name}) API key: [bold]{api_key}[/]")
+            raise _refuse(str(exc)) from None
+    try:
+        client_id, api_key = create_client(url, name, unique_name=not allow_duplicate_name)
+    except NameTaken as exc:
+        raise _refuse(f"{exc}; choose another name (or --allow-duplicate-name, then address each by id)") from None
+    console.print(f"client {client_id} ({name}) API key: [bold]{api_key}[/]", soft_wrap=True)
     console.print("It is stored only as a hash: keep it now.")
     if webhook_url is not None:
-        _, secret = set_webhook(url, name, webhook_url)
+        _, secret = set_webhook(url, client_id, webhook_url)
         _print_secret(webhook_url, secret)
+
+
+def _client(client: str) -> int | str:
+    """A CLIENT argument: digits only are a client id, anything else a name."""
+    return int(client) if client.isdigit() else client
+
+
+def _refuse_unless_found(client: str, status: str, found) -> None:
+    if status == "no-client":
+        raise _refuse(f"no client {client}" if client.isdigit() else f"no client named {client!r}", 1)
+    if status == "ambiguous":
+        raise _refuse(f"{len(found)} clients are named {client!r} (ids {', '.join(map(str, found))}): "
+                      "give the id instead of the name")
 
 
 def _print_secret(webhook_url: str, secret: str | None) -> None:
@@ -373,8 +392,8 @@ def _print_secret(webhook_url: str, secret: str | None) -> None:
 @clients_cli.command("set-webhook")
 @_uses_database
 def clients_set_webhook(
-    name: str,
-    webhook_url: str,
+    client: str = typer.Argument(..., metavar="CLIENT", help="The client's id, or a name only one client has."),
+    webhook_url: str = typer.Argument(..., metavar="WEBHOOK_URL"),
     rotate_secret: bool = typer.Option(False, "--rotate-secret", help="Generate a new signing secret (shown once)."),
 ) -> None:
     """Set or change the client's webhook URL; pending deliveries go to the new one."""
@@ -382,13 +401,10 @@ def clients_set_webhook(
     from app.outbox.endpoints import InvalidWebhookUrl
 
     try:
-        status, secret = set_webhook(_database_url(), name, webhook_url, rotate_secret=rotate_secret)
+        status, secret = set_webhook(_database_url(), _client(client), webhook_url, rotate_secret=rotate_secret)
     except InvalidWebhookUrl as exc:
-        console.print(str(exc), style="red", soft_wrap=True, markup=False, highlight=False)
-        raise typer.Exit(2) from None
-    if status == "no-client":
-        console.print(f"no client named {name!r}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1)
+        raise _refuse(str(exc)) from None
+    _refuse_unless_found(client, status, secret)
     _print_secret(webhook_url, secret)
     if secret is None:
         console.print("the signing secret is unchanged")
@@ -396,16 +412,16 @@ def clients_set_webhook(
 
 @clients_cli.command("remove-webhook")
 @_uses_database
-def clients_remove_webhook(name: str) -> None:
+def clients_remove_webhook(
+    client: str = typer.Argument(..., metavar="CLIENT", help="The client's id, or a name only one client has."),
+) -> None:
     """Remove the client's webhook endpoint; its pending deliveries are cancelled (events stay in GET /v1/events)."""
     from app.admin import set_webhook
 
-    status, cancelled = set_webhook(_database_url(), name, None)
-    if status == "no-client":
-        console.print(f"no client named {name!r}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1)
+    status, cancelled = set_webhook(_database_url(), _client(client), None)
+    _refuse_unless_found(client, status, cancelled)
     if cancelled is None:
-        console.print(f"client {name!r} has no webhook endpoint", markup=False, highlight=False)
+        console.print(f"client {client!r} has no webhook endpoint", markup=False, highlight=False)
         return
     console.print(f"webhook endpoint removed; {cancelled} pending deliveries cancelled", markup=False, highlight=False)
 

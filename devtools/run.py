@@ -100,7 +100,7 @@ def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant
         # The demo client's webhooks go to the fake merchant, which is told
         # the signing secret: a learner sees a payment's webhook arrive
         # (and be applied once) without setting anything up.
-        secret = demo_webhook_secret(url, f"http://127.0.0.1:{merchant_port}/webhooks")
+        secret = demo_webhook_secret(url, api_key, f"http://127.0.0.1:{merchant_port}/webhooks")
         # The rail notifies the API of returned payouts, signed with a secret
         # both are given (this run's own, unless RAIL_NOTIFICATION_SECRET is set).
         rail_secret = os.environ.get("RAIL_NOTIFICATION_SECRET") or (
@@ -212,10 +212,14 @@ def print_console_link(console: Console, api_url: str, operator_token: str, page
     console.print(link, soft_wrap=True, highlight=False, markup=False)
 
 
-def demo_webhook_secret(url: str, webhook_url: str) -> str:
-    """Point the demo client's webhook endpoint at `webhook_url` (created the first time); its signing secret."""
-    admin.set_webhook(url, "demo", webhook_url)
-    endpoint = admin.webhook_endpoint(url, "demo")
+def demo_webhook_secret(url: str, api_key: str, webhook_url: str) -> str:
+    """Point the webhook endpoint of the demo client (the one `api_key` is of) at `webhook_url`
+    (created the first time); its signing secret."""
+    # By id, not by name: earlier runs (a lost key file) may have left other clients named "demo".
+    client_id = admin.client_of_key(url, api_key)
+    assert client_id is not None
+    admin.set_webhook(url, client_id, webhook_url)
+    endpoint = admin.webhook_endpoint(url, client_id)
     assert endpoint is not None
     return endpoint[1]
 

@@ -110,3 +110,49 @@ async def test_the_api_says_it_started_and_that_the_database_does_not_answer():
     assert "cannot reach the database at postgresql://payments:***@127.0.0.1:1/payments" in said, said
     assert "/healthz answers 503 until it answers" in said, said
     assert PASSWORD not in said
+
+
+async def test_a_client_name_already_taken_is_refused_with_the_id_that_has_it(database_url, db):
+    code, out, err = await payments("clients", "create", "acme", database_url=database_url)
+    assert code == 0, err
+    first = await db.fetchval("SELECT id FROM client WHERE name = 'acme'")
+    assert f"client {first} (acme)" in out
+
+    code, out, err = await payments("clients", "create", "acme", database_url=database_url)
+
+    assert (code, out) == (2, ""), (code, out, err)
+    assert err.splitlines() == [f"a client named 'acme' exists already: id {first}; choose another name "
+                                "(or --allow-duplicate-name, then address each by id)"]
+    assert await db.fetchval("SELECT count(*) FROM client WHERE name = 'acme'") == 1
+
+
+async def test_a_name_two_clients_share_is_refused_and_each_is_addressed_by_its_id(database_url, db):
+    for _ in range(2):
+        code, _, err = await payments("clients", "create", "acme", "--allow-duplicate-name", database_url=database_url)
+        assert code == 0, err
+    first, second = [r["id"] for r in await db.fetch("SELECT id FROM client WHERE name = 'acme' ORDER BY id")]
+
+    code, out, err = await payments("clients", "set-webhook", "acme", "https://acme.example/webhooks",
+                                    database_url=database_url)
+
+    assert (code, out) == (2, ""), (code, out, err)
+    assert err.splitlines() == [f"2 clients are named 'acme' (ids {first}, {second}): give the id instead of the name"]
+    assert await db.fetchval("SELECT count(*) FROM webhook_endpoint") == 0  # not the newest, silently
+
+    code, out, err = await payments("clients", "set-webhook", str(first), "https://acme.example/webhooks",
+                                    database_url=database_url)
+    assert code == 0, err
+    assert [tuple(r) for r in await db.fetch("SELECT client_id, url FROM webhook_endpoint")] == [
+        (first, "https://acme.example/webhooks")]
+    code, out, err = await payments("clients", "remove-webhook", "acme", database_url=database_url)
+    assert code == 2 and "give the id" in err, (code, out, err)
+    code, out, err = await payments("clients", "remove-webhook", str(second + 1000), database_url=database_url)
+    assert code == 1 and err.splitlines() == [f"no client {second + 1000}"], (code, out, err)
+
+
+async def test_a_name_of_digits_only_is_refused_as_it_would_read_as_an_id(database_url, db):
+    code, out, err = await payments("clients", "create", "42", database_url=database_url)
+
+    assert (code, out) == (2, ""), (code, out, err)
+    assert len(err.splitlines()) == 1 and "digits only" in err
+    assert await db.fetchval("SELECT count(*) FROM client") == 0
