@@ -17,7 +17,7 @@ from app.api.body_limit import BodyLimit
 from app.api.in_flight import InFlight, TrackInFlight
 from app.api.metrics import RequestMetrics
 from app.api.rail_notifications import router as rail_router
-from app.api.routes import router
+from app.api.routes import payment_examples, router
 from app.console import routes as console
 from app.config import Settings, redacted_url
 from app.db.errors import database_problem
@@ -143,6 +143,9 @@ def _document_the_api_as_it_answers(app: FastAPI) -> None:
       operation with a parameter, but this API answers a malformed request
       with a 400 problem+json (`/problems/invalid-request`), and uses 422 only
       for a key reused with another body, which the operation documents.
+    - The 201's examples are real final answers (app/api/routes.py:
+      payment_examples), set here because FastAPI drops the nulls (`failure`)
+      of examples it is given; without them the UIs show `processing`.
     """
     build = app.openapi
 
@@ -154,6 +157,8 @@ def _document_the_api_as_it_answers(app: FastAPI) -> None:
                     parameter["required"] = True
                     parameter["schema"] = {"type": "string", "minLength": 1, "maxLength": 255}
                     parameter["example"] = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+            created = schema["paths"]["/v1/payments"]["post"]["responses"]["201"]["content"]["application/json"]
+            created["examples"] = payment_examples()
             for operations in schema["paths"].values():
                 for operation in operations.values():
                     responses = operation.get("responses", {})
