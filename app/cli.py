@@ -13,11 +13,31 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import sys
 from collections.abc import Callable
 from typing import TypeVar
 
 import typer
+import typer.rich_utils
 from rich.console import Console
+from typer.core import TyperOption
+
+# Help and output read through a pipe (a log, `less`, a test) are not cut at
+# rich's default of 80 columns: without a terminal, and unless COLUMNS or
+# TERMINAL_WIDTH says otherwise, lines are this wide.
+PIPE_WIDTH = 120
+_piped = not sys.stdout.isatty() and not (os.environ.get("COLUMNS") or os.environ.get("TERMINAL_WIDTH"))
+if _piped:
+    typer.rich_utils.MAX_WIDTH = PIPE_WIDTH
+_type_of = TyperOption.display_type_rich
+
+
+def _flags_show_no_type(self: TyperOption, ctx) -> str | None:
+    # A flag takes no value: typer would show `--help <bool>` beside each one.
+    return None if self.is_flag else _type_of(self, ctx)
+
+
+TyperOption.display_type_rich = _flags_show_no_type  # type: ignore[method-assign]
 
 cli = typer.Typer(help="Exactly-once payments service.", no_args_is_help=True, add_completion=False)
 clients_cli = typer.Typer(help="Manage API clients.", no_args_is_help=True)
@@ -26,10 +46,10 @@ keys_cli = typer.Typer(help="Operate the idempotency key table.", no_args_is_hel
 cli.add_typer(keys_cli, name="keys")
 events_cli = typer.Typer(help="Events and their webhook deliveries (docs/outbox-inbox.md).", no_args_is_help=True)
 cli.add_typer(events_cli, name="events")
-console = Console()
+console = Console(width=PIPE_WIDTH if _piped else None)
 # Refusals and errors: one line each, on stderr, so a script that reads a
 # command's answer on stdout never mistakes one for it.
-errors = Console(stderr=True)
+errors = Console(stderr=True, width=PIPE_WIDTH if _piped else None)
 F = TypeVar("F", bound=Callable[..., None])
 
 
@@ -197,7 +217,13 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
 
 @cli.command()
 def worker() -> None:
-    """Run the background worker: crash recovery, and reconciliation once per day."""
+    """Run the worker's four loops: crash recovery, daily reconciliation, webhooks, key table upkeep.
+
+    Recovery resumes any payment whose owner died; reconciliation settles
+    the day's indeterminate payouts against the rail's statement; the
+    dispatcher delivers webhooks; the upkeep creates the key table's
+    partitions ahead and drops the days past KEY_RETENTION_HOURS.
+    """
     # One process: its metrics live in memory and are served on a port of
     # its own (WORKER_METRICS_PORT), never in an API's directory of files.
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
