@@ -29,8 +29,9 @@ run: $(STAMP)
 
 # nginx is the distribution's package; without it, say how to get it.
 REPLICAS ?= 3
-NGINX_CHECK = @command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx \
-	  || { echo "nginx is needed: apt-get install nginx"; exit 2; }
+NGINX_CHECK = @{ command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx; } \
+	  && test -e /usr/lib/nginx/modules/ngx_http_js_module.so \
+	  || { echo "nginx and its JavaScript module are needed: apt-get install nginx libnginx-mod-http-js"; exit 2; }
 
 cluster: $(STAMP)
 	$(NGINX_CHECK)

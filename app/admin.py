@@ -23,8 +23,14 @@ from app.config import asyncpg_url
 from app.db.transaction import atomic, autocommit, read
 from app.idempotency import partitions
 from app.outbox import delivery, endpoints
+from app.outbox.egress import EgressPolicy
+from app.outbox.sealing import SecretsKey
 
 T = TypeVar("T")
+
+
+class MigrationRefused(RuntimeError):
+    """A migration needs something from the operator first (the message says what)."""
 
 # The Alembic configuration at the root of the checkout; its script_location
 # (migrations/) is found relative to it.
@@ -44,19 +50,22 @@ def on_database(url: str, work: Callable[[AsyncEngine], Awaitable[T]]) -> T:
     return asyncio.run(go())
 
 
-def migrate_database(url: str) -> list[str]:
+def migrate_database(url: str, webhook_secrets_key: str | None = None) -> list[str]:
     """Bring the schema to the newest Alembic revision, and the key table's partitions a week ahead.
 
     The partitions are part of a usable schema: a claim on a day with no
     partition is refused (503), so a fresh database, or one whose worker has
     not run for a while, gets today's and the coming days' here. Returns the
-    names of the partitions created.
+    names of the partitions created. `webhook_secrets_key` seals the webhook
+    secrets an older revision kept in the clear (0009; refused without it
+    if there are any).
     """
     from alembic import command
     from alembic.config import Config
 
     config = Config(str(ALEMBIC_INI))
     config.attributes["database_url"] = url
+    config.attributes["webhook_secrets_key"] = webhook_secrets_key
     command.upgrade(config, "head")
     return on_database(url, lambda engine: autocommit(engine, partitions.ensure_ahead))
 
@@ -99,18 +108,19 @@ def client_of_key(url: str, api_key: str) -> int | None:
 
 
 def set_webhook(
-    url: str, client: int | str, webhook_url: str | None, *, rotate_secret: bool = False
+    url: str, client: int | str, webhook_url: str, *, policy: EgressPolicy, secrets_key: str,
+    rotate_secret: bool = False, overlap_hours: float = 0.0,
 ) -> tuple[str, Any]:
-    """Set (or with None remove) the webhook endpoint of `client`: its id, or a name only one client has.
+    """Set the webhook endpoint of `client` (its id, or a name only one client has), its secret sealed with `secrets_key`.
 
-    Returns ("set", the signing secret if it is new, else None), ("removed",
-    how many pending deliveries were cancelled, None if there was no
-    endpoint), ("no-client", None) or ("ambiguous", the ids of the clients
-    with that name: nothing is changed). Raises InvalidWebhookUrl before it
-    touches the database.
+    Returns ("set", the signing secret if it is new, else None),
+    ("no-client", None) or ("ambiguous", the ids of the clients with that
+    name: nothing is changed). Raises InvalidWebhookUrl (the egress `policy`
+    refuses the URL) before it touches the database. With `rotate_secret`,
+    the old secret is still sent beside the new one for `overlap_hours`.
     """
-    if webhook_url is not None:
-        endpoints.checked_url(webhook_url)
+    endpoints.checked_url(webhook_url, policy)
+    key = SecretsKey(secrets_key)
 
     async def work(conn) -> tuple[str, Any]:
         client_id = await _client_id(conn, client)
@@ -118,20 +128,50 @@ def set_webhook(
             return "no-client", None
         if isinstance(client_id, list):
             return "ambiguous", client_id
-        if webhook_url is None:
-            return "removed", await endpoints.remove_endpoint(conn, client_id)
-        return "set", await endpoints.set_endpoint(conn, client_id, webhook_url, rotate_secret=rotate_secret)
+        return "set", await endpoints.set_endpoint(conn, client_id, webhook_url, key, rotate_secret=rotate_secret,
+                                                   overlap_seconds=overlap_hours * 3600)
 
     return on_database(url, lambda engine: atomic(engine, work))
 
 
-def webhook_endpoint(url: str, client_id: int) -> tuple[str, str] | None:
-    """The (URL, signing secret) of the webhook endpoint of client `client_id`; None if it has none."""
+def remove_webhook(url: str, client: int | str) -> tuple[str, Any]:
+    """Remove the webhook endpoint of `client` (its id, or a name only one client has).
 
-    async def work(conn) -> tuple[str, str] | None:
-        return await endpoints.get_endpoint(conn, client_id)
+    Returns ("removed", how many pending deliveries were cancelled, None if
+    there was no endpoint), ("no-client", None) or ("ambiguous", the ids of
+    the clients with that name: nothing is changed).
+    """
+
+    async def work(conn) -> tuple[str, Any]:
+        client_id = await _client_id(conn, client)
+        if client_id is None:
+            return "no-client", None
+        if isinstance(client_id, list):
+            return "ambiguous", client_id
+        return "removed", await endpoints.remove_endpoint(conn, client_id)
+
+    return on_database(url, lambda engine: atomic(engine, work))
+
+
+def webhook_endpoint(url: str, client_id: int, secrets_key: str) -> tuple[str, str | None] | None:
+    """The (URL, signing secret) of the webhook endpoint of client `client_id`; None if it has none."""
+    key = SecretsKey(secrets_key)
+
+    async def work(conn) -> tuple[str, str | None] | None:
+        return await endpoints.get_endpoint(conn, client_id, key)
 
     return on_database(url, lambda engine: read(engine, work))
+
+
+def reseal_webhook_secrets(url: str, secrets_key: str) -> int:
+    """Every webhook secret sealed again under the first key of `secrets_key`; how many endpoints.
+
+    The step of a key rotation (docs/outbox-inbox.md#signing-secrets-at-rest):
+    with the new key first and the old one after it, every row is opened and
+    sealed anew in one transaction; then the old key can be dropped.
+    """
+    key = SecretsKey(secrets_key)
+    return on_database(url, lambda engine: atomic(engine, endpoints.reseal_all, key))
 
 
 def redeliver_event(url: str, event_id: uuid.UUID) -> tuple[str, dict[str, Any] | None]:

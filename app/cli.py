@@ -123,6 +123,16 @@ def _settings():
         raise _refuse(f"invalid setting PAYMENTS_CRASH_AT: {exc}") from None
 
 
+def _secrets_key(settings) -> str:
+    """WEBHOOK_SECRETS_KEY, or a clear refusal (exit 2): webhook secrets are sealed with it."""
+    if settings.webhook_secrets_key is None:
+        console.print("WEBHOOK_SECRETS_KEY is not set: webhook signing secrets are sealed with it "
+                      "(generate one: openssl rand -base64 32 | tr '+/' '-_')",
+                      style="red", soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(2)
+    return settings.webhook_secrets_key.get_secret_value()
+
+
 @cli.command()
 def api(
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
@@ -232,6 +242,7 @@ def worker() -> None:
 
     _database_url()
     settings = _settings()
+    _secrets_key(settings)  # the dispatcher opens the sealed secrets to sign with
     logs.configure(settings.log_format, settings.log_level)
     if not process.main(settings):
         raise typer.Exit(2)
@@ -310,12 +321,16 @@ def crash_points_command(
 @cli.command()
 def migrate() -> None:
     """Apply database migrations (Alembic) to DATABASE_URL."""
-    from app.admin import migrate_database
+    from app.admin import MigrationRefused, migrate_database
+    from app.config import redacted_url
     from app.db.errors import database_problem
 
     url = _database_url()
+    key = os.environ.get("WEBHOOK_SECRETS_KEY") or None
     try:
-        created = migrate_database(url)
+        created = migrate_database(url, key)
+    except MigrationRefused as exc:  # it needs something from the operator first (WEBHOOK_SECRETS_KEY)
+        raise _refuse(f"cannot migrate {redacted_url(url)}: {exc}") from None
     except Exception as exc:
         # Unreachable, not there, or refused us: say which one, without its
         # password, and why, without a page of traceback (README.md#settings: exit 2).
@@ -374,14 +389,17 @@ def clients_create(
 ) -> None:
     """Create a client and print its id and API key (shown once, stored hashed), and its webhook secret."""
     from app.admin import NameTaken, create_client, set_webhook
+    from app.outbox.egress import EgressPolicy
     from app.outbox.endpoints import InvalidWebhookUrl, checked_url
 
     url = _database_url()
     if name.isdigit():
         raise _refuse(f"a client's name cannot be digits only ({name!r}): the commands would read it as a client id")
     if webhook_url is not None:
+        settings = _settings()
+        key, policy = _secrets_key(settings), EgressPolicy.from_settings(settings)
         try:
-            checked_url(webhook_url)
+            checked_url(webhook_url, policy)
         except InvalidWebhookUrl as exc:
             raise _refuse(str(exc)) from None
     try:
@@ -391,7 +409,7 @@ def clients_create(
     console.print(f"client {client_id} ({name}) API key: [bold]{api_key}[/]", soft_wrap=True)
     console.print("It is stored only as a hash: keep it now.")
     if webhook_url is not None:
-        _, secret = set_webhook(url, client_id, webhook_url)
+        _, secret = set_webhook(url, client_id, webhook_url, policy=policy, secrets_key=key)
         _print_secret(webhook_url, secret)
 
 
@@ -421,19 +439,31 @@ def clients_set_webhook(
     client: str = typer.Argument(..., metavar="CLIENT", help="The client's id, or a name only one client has."),
     webhook_url: str = typer.Argument(..., metavar="WEBHOOK_URL"),
     rotate_secret: bool = typer.Option(False, "--rotate-secret", help="Generate a new signing secret (shown once)."),
+    overlap_hours: float = typer.Option(
+        None, "--overlap-hours", min=0,
+        help="With --rotate-secret: hours the old secret is still sent beside the new one "
+             "(default WEBHOOK_SECRET_OVERLAP_HOURS)."),
 ) -> None:
     """Set or change the client's webhook URL; pending deliveries go to the new one."""
     from app.admin import set_webhook
+    from app.outbox.egress import EgressPolicy
     from app.outbox.endpoints import InvalidWebhookUrl
 
+    url = _database_url()
+    settings = _settings()
+    key = _secrets_key(settings)
+    overlap = settings.webhook_secret_overlap_hours if overlap_hours is None else overlap_hours
     try:
-        status, secret = set_webhook(_database_url(), _client(client), webhook_url, rotate_secret=rotate_secret)
+        status, secret = set_webhook(url, _client(client), webhook_url, policy=EgressPolicy.from_settings(settings),
+                                     secrets_key=key, rotate_secret=rotate_secret, overlap_hours=overlap)
     except InvalidWebhookUrl as exc:
         raise _refuse(str(exc)) from None
     _refuse_unless_found(client, status, secret)
     _print_secret(webhook_url, secret)
     if secret is None:
         console.print("the signing secret is unchanged")
+    elif rotate_secret:
+        console.print(f"the old secret is still sent beside it for {overlap:g} h (both signatures), then dropped")
 
 
 @clients_cli.command("remove-webhook")
@@ -442,14 +472,33 @@ def clients_remove_webhook(
     client: str = typer.Argument(..., metavar="CLIENT", help="The client's id, or a name only one client has."),
 ) -> None:
     """Remove the client's webhook endpoint; its pending deliveries are cancelled (events stay in GET /v1/events)."""
-    from app.admin import set_webhook
+    from app.admin import remove_webhook
 
-    status, cancelled = set_webhook(_database_url(), _client(client), None)
+    status, cancelled = remove_webhook(_database_url(), _client(client))
     _refuse_unless_found(client, status, cancelled)
     if cancelled is None:
         console.print(f"client {client!r} has no webhook endpoint", markup=False, highlight=False)
         return
     console.print(f"webhook endpoint removed; {cancelled} pending deliveries cancelled", markup=False, highlight=False)
+
+
+@clients_cli.command("reseal-webhook-secrets")
+def clients_reseal_webhook_secrets() -> None:
+    """Seal every webhook signing secret again under the first key of WEBHOOK_SECRETS_KEY (a key rotation's step)."""
+    from cryptography.fernet import InvalidToken
+
+    from app.admin import reseal_webhook_secrets
+
+    url = _database_url()
+    key = _secrets_key(_settings())
+    try:
+        count = reseal_webhook_secrets(url, key)
+    except InvalidToken:
+        console.print("a webhook secret is sealed with none of the keys in WEBHOOK_SECRETS_KEY: nothing changed "
+                      "(keep the old key after the new one until every secret is resealed)",
+                      style="red", soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    console.print(f"{count} webhook endpoints resealed under the first key; the others can now be dropped")
 
 
 @events_cli.command("redeliver")

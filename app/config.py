@@ -6,8 +6,11 @@ app with explicit settings and several apps can live in one process.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import ipaddress
 import re
+import ssl
 from typing import Literal
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
@@ -44,6 +47,9 @@ def libpq_url(url: str) -> str:
 
 
 MIN_OPERATOR_TOKEN_LENGTH = 32
+# The shortest key a whsec_ secret may decode to (the Standard Webhooks
+# format's own floor).
+MIN_WHSEC_KEY_BYTES = 24
 
 # How long after its first attempt a client may still retry (or resume) an
 # operation with its stored key: the documented budget of a client
@@ -166,6 +172,24 @@ class Settings(BaseSettings):
     webhook_backoff_cap_seconds: float = Field(default=21600.0, gt=0)
     # Deliveries one worker has in flight at once.
     webhook_concurrency: int = Field(default=16, ge=1)
+    # The egress policy (app/outbox/egress.py, docs/outbox-inbox.md#egress):
+    # a webhook URL is https and reaches public addresses only, checked on
+    # the resolved address of every connection. Development only: http
+    # allowed, and these comma-separated networks allowed too (the fake
+    # merchant on loopback: devtools sets both for `make run` and the tests).
+    webhook_allow_http: bool = False
+    webhook_allowed_networks: str = ""
+    # A PEM bundle of the CAs the dispatcher trusts for https, instead of
+    # the system's (a private CA; the tests' throwaway one).
+    webhook_ca_file: str | None = None
+    # Webhook signing secrets are sealed at rest with this key (Fernet: 32
+    # bytes, url-safe base64; several, comma-separated, while rotating it:
+    # the first seals, all open). Needed by `payments worker` and the
+    # commands that register or reseal endpoints, never by the API.
+    webhook_secrets_key: SecretStr | None = None
+    # After `--rotate-secret`, how long the old secret is still sent beside
+    # the new one (both signatures in webhook-signature).
+    webhook_secret_overlap_hours: float = Field(default=24.0, ge=0)
     # What the service tells its operators (docs/operations.md). Metrics:
     # the API's /metrics on API_METRICS_HOST:PORT, a port of its own and never
     # the public one (anyone who reaches the API would read them), and the
@@ -195,6 +219,10 @@ class Settings(BaseSettings):
     # never open to whoever can reach the port. A secret, so never printed by a
     # refused setting. `make run` generates one when none is set.
     operator_token: SecretStr | None = None
+    # How long a console login lasts (app/console/sessions.py): one working
+    # day of on-call by default, then log in again. Logging out, or a new
+    # OPERATOR_TOKEN, ends a session sooner.
+    console_session_seconds: int = Field(default=12 * 3600, ge=60, le=30 * 24 * 3600)
 
     @property
     def legacy_accounts(self) -> frozenset[str]:
@@ -229,6 +257,57 @@ class Settings(BaseSettings):
                     ipaddress.ip_network(entry)
                 except ValueError:
                     raise ValueError(f"{entry!r} is not an IP address or network (e.g. 10.0.0.0/8), nor *") from None
+        return value
+
+    @field_validator("rail_notification_secret")
+    @classmethod
+    def _strong_notification_secret(cls, value: str | None) -> str | None:
+        # A short key is a guessable one: whoever guesses it can notify us of
+        # returns that never happened. The Standard Webhooks format allows 24
+        # to 64 bytes.
+        if value is None:
+            return None
+        try:
+            length = len(base64.b64decode(value.removeprefix("whsec_"), validate=True))
+        except (binascii.Error, ValueError):
+            raise ValueError("is whsec_ followed by base64") from None
+        if length < MIN_WHSEC_KEY_BYTES:
+            raise ValueError(f"its key is {length} bytes, at least {MIN_WHSEC_KEY_BYTES} are needed "
+                             f"(try: echo whsec_$(openssl rand -base64 32))")
+        return value
+
+    @field_validator("webhook_allowed_networks")
+    @classmethod
+    def _networks(cls, value: str) -> str:
+        try:
+            return ",".join(str(ipaddress.ip_network(n.strip(), strict=False)) for n in value.split(",") if n.strip())
+        except ValueError as exc:
+            raise ValueError(f"comma-separated addresses or networks (127.0.0.0/8,::1): {exc}") from None
+
+    @field_validator("webhook_ca_file")
+    @classmethod
+    def _ca_file(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        try:
+            ssl.create_default_context(cafile=value)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load {value} as a PEM bundle of CA certificates: {exc}") from None
+        return value
+
+    @field_validator("webhook_secrets_key")
+    @classmethod
+    def _fernet_keys(cls, value: SecretStr | None) -> SecretStr | None:
+        from cryptography.fernet import Fernet
+
+        if value is None or not value.get_secret_value().strip():
+            return None
+        try:
+            for key in value.get_secret_value().split(","):
+                Fernet(key.strip())
+        except (ValueError, binascii.Error):
+            raise ValueError("is one or more comma-separated Fernet keys, 32 bytes in url-safe base64 each "
+                             "(try: openssl rand -base64 32 | tr '+/' '-_')") from None
         return value
 
     @field_validator("operator_token")

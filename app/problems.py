@@ -136,6 +136,13 @@ RETURN_TOO_EARLY = _t(
     "Retry-After seconds, and it will be applied once the outcome is recorded.",
 )
 
+CROSS_ORIGIN_REQUEST = _t(
+    "cross-origin-request", 403, "A console form may be posted only from the console itself",
+    "The operator console accepts a POST only from its own pages: this one came from another "
+    "site or origin (its Sec-Fetch-Site or Origin header says so). Nothing was done. Open the "
+    "console at its own address and use its form.",
+)
+
 CATALOGUE: dict[str, ProblemType] = {
     t.slug: t
     for t in (
@@ -144,7 +151,7 @@ CATALOGUE: dict[str, ProblemType] = {
         TOO_MANY_CONNECTIONS,
         REQUEST_IN_PROGRESS, DUPLICATE_PAYMENT,
         IDEMPOTENCY_KEY_REUSED, INTERNAL_ERROR, SERVICE_UNAVAILABLE, KEY_TABLE_UNAVAILABLE,
-        RAIL_UNAUTHENTICATED, INVALID_NOTIFICATION, RETURN_TOO_EARLY,
+        RAIL_UNAUTHENTICATED, INVALID_NOTIFICATION, RETURN_TOO_EARLY, CROSS_ORIGIN_REQUEST,
     )
 }
 

@@ -133,6 +133,7 @@ class Databases:
     webhook_api_key: str
     webhook_client_id: int
     webhook_secret: str
+    webhook_secret_sealed: str  # as webhook_endpoint holds it (WEBHOOK_SECRETS_KEY: the system's)
 
 
 def prepare_databases(server: Server) -> Databases:
@@ -144,7 +145,9 @@ def prepare_databases(server: Server) -> Databases:
         service_url = server.system.create_database(SERVICE_DATABASE)
         client_id, api_key = server.system.create_client("bench")
         webhook_client_id, webhook_api_key = server.system.create_client("bench-webhooks")
-    return Databases(service_url, rails_url, api_key, client_id, webhook_api_key, webhook_client_id, new_secret())
+    secret = new_secret()
+    return Databases(service_url, rails_url, api_key, client_id, webhook_api_key, webhook_client_id, secret,
+                     server.system.seal(secret))
 
 
 def register_webhook(dbs: Databases, merchant: Service) -> None:
@@ -153,8 +156,8 @@ def register_webhook(dbs: Databases, merchant: Service) -> None:
     async def insert() -> None:
         conn = await asyncpg.connect(dbs.service_url)
         try:
-            await conn.execute("INSERT INTO webhook_endpoint (client_id, url, secret) VALUES ($1, $2, $3)",
-                               dbs.webhook_client_id, merchant.url + "/webhooks", dbs.webhook_secret)
+            await conn.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) VALUES ($1, $2, $3)",
+                               dbs.webhook_client_id, merchant.url + "/webhooks", dbs.webhook_secret_sealed)
         finally:
             await conn.close()
 

@@ -107,8 +107,8 @@ def main(
         async def register() -> None:
             conn = await asyncpg.connect(service_url)
             try:
-                await conn.execute("INSERT INTO webhook_endpoint (client_id, url, secret) VALUES ($1, $2, $3)",
-                                   client_id, system.merchant.url + "/webhooks", secret)
+                await conn.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) VALUES ($1, $2, $3)",
+                                   client_id, system.merchant.url + "/webhooks", system.seal(secret))
             finally:
                 await conn.close()
 

@@ -94,8 +94,8 @@ class Demo:
         system, db = self.system, self.db
         secret = new_secret()
         merchant = system.start_merchant(secrets=[secret])
-        db.execute("INSERT INTO webhook_endpoint (client_id, url, secret) VALUES ($1, $2, $3)",
-                   system.client_id, merchant.url + "/webhooks", secret)
+        db.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) VALUES ($1, $2, $3)",
+                   system.client_id, merchant.url + "/webhooks", system.seal(secret))
         api = system.api()
         system.worker()  # dispatches the webhooks; would finish a compensation whose owner died
         rail = system.rail.url

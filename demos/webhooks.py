@@ -89,8 +89,8 @@ class Demo:
         secret = new_secret()
         merchant = system.start_merchant(secrets=[secret])
         webhook_url = merchant.url + "/webhooks"
-        db.execute("INSERT INTO webhook_endpoint (client_id, url, secret) VALUES ($1, $2, $3)",
-                   system.client_id, webhook_url, secret)
+        db.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) VALUES ($1, $2, $3)",
+                   system.client_id, webhook_url, system.seal(secret))
         api = system.api()
 
         step(console, 1, "a payment, and its event written with it")

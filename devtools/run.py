@@ -36,6 +36,7 @@ from urllib.parse import urlencode
 from rich.console import Console
 
 from app import admin
+from app.outbox import egress
 from devtools.bodies import payment_body
 from devtools.processes import NotHealthy
 from devtools.system import System
@@ -100,7 +101,7 @@ def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant
         # The demo client's webhooks go to the fake merchant, which is told
         # the signing secret: a learner sees a payment's webhook arrive
         # (and be applied once) without setting anything up.
-        secret = demo_webhook_secret(url, api_key, f"http://127.0.0.1:{merchant_port}/webhooks")
+        secret = demo_webhook_secret(system, url, api_key, f"http://127.0.0.1:{merchant_port}/webhooks")
         # The rail notifies the API of returned payouts, signed with a secret
         # both are given (this run's own, unless RAIL_NOTIFICATION_SECRET is set).
         rail_secret = os.environ.get("RAIL_NOTIFICATION_SECRET") or (
@@ -212,15 +213,22 @@ def print_console_link(console: Console, api_url: str, operator_token: str, page
     console.print(link, soft_wrap=True, highlight=False, markup=False)
 
 
-def demo_webhook_secret(url: str, api_key: str, webhook_url: str) -> str:
-    """Point the webhook endpoint of the demo client (the one `api_key` is of) at `webhook_url`
-    (created the first time); its signing secret."""
+def demo_webhook_secret(system: System, url: str, api_key: str, webhook_url: str) -> str:
+    """Point the webhook endpoint of the demo client (the one `api_key` is of) at `webhook_url` (created the
+    first time); its signing secret.
+
+    Registered under the development egress policy (the fake merchant is on
+    loopback, over http), sealed with the system's WEBHOOK_SECRETS_KEY.
+    """
     # By id, not by name: earlier runs (a lost key file) may have left other clients named "demo".
     client_id = admin.client_of_key(url, api_key)
     assert client_id is not None
-    admin.set_webhook(url, client_id, webhook_url)
-    endpoint = admin.webhook_endpoint(url, client_id)
-    assert endpoint is not None
+    admin.set_webhook(url, client_id, webhook_url, policy=egress.development(), secrets_key=system.secrets_key)
+    endpoint = admin.webhook_endpoint(url, client_id, system.secrets_key)
+    if endpoint is None or endpoint[1] is None:
+        raise SystemExit("the demo client's webhook secret does not open with WEBHOOK_SECRETS_KEY "
+                         f"(.data/webhook-secrets-key changed?): `payments clients set-webhook {client_id} URL "
+                         "--rotate-secret`")
     return endpoint[1]
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import random
@@ -482,10 +483,20 @@ async def collect(cluster: Cluster, payments: list[Payment], first_day: date) ->
 LOG_LINE = re.compile(r'^(\S+) (\S+) (\S+) "([^"]*)" "([^"]*)" (\S+) "([^"]*)"$')
 
 
+def key_hash(key: str) -> str:
+    """An Idempotency-Key as nginx's access log records it (compose/idempotency_key_hash.js): its SHA-256."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
 def stranded(access_log: Path, events: list[dict[str, Any]], finished: dict[str, float],
              parked: set[str]) -> dict[str, Any]:
     """For each replica killed (or frozen): the payments it was serving then, from nginx's log, and the
-    seconds from that moment to their key's finish (our database's finished_at)."""
+    seconds from that moment to their key's finish (our database's finished_at).
+
+    The log holds each key's hash, never the key: `finished` and `parked` (by
+    key) are looked up by hash."""
+    finished = {key_hash(key): at for key, at in finished.items()}
+    parked = {key_hash(key) for key in parked}
     requests = []
     for line in access_log.read_text(errors="replace").splitlines():
         m = LOG_LINE.match(line)

@@ -36,10 +36,34 @@ from urllib.parse import urlsplit, urlunsplit
 
 from app.admin import create_client, migrate_database
 from app.config import libpq_url
+from app.outbox import egress
+from app.outbox.sealing import SecretsKey, new_key
 from devtools import embedded_db, nginx
 from devtools.processes import BIN, Process, child_env, free_port
 
 WORKER_STARTED = "worker started"  # what app/workers/process.py logs once it is up
+# The egress policy of a development machine (app/outbox/egress.py): the
+# fake merchant listens on loopback over http, which the service's default
+# refuses. Every service process started here gets it, unless its
+# environment or the caller's settings say otherwise; the default stays
+# strict everywhere else.
+DEVELOPMENT_EGRESS = {
+    "WEBHOOK_ALLOW_HTTP": "true",
+    "WEBHOOK_ALLOWED_NETWORKS": ",".join(str(n) for n in egress.development().allowed_networks),
+}
+
+
+def kept_secrets_key() -> str:
+    """A WEBHOOK_SECRETS_KEY for this checkout, kept in .data/ (readable by its owner only), so the
+    webhook secrets sealed in `make run`'s database open on the next run too."""
+    path = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")) / "webhook-secrets-key"
+    if path.exists() and (key := path.read_text().strip()):
+        return key
+    key = new_key()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.write_text(key + "\n")
+    return key
 
 
 def with_database(url: str, name: str) -> str:
@@ -95,6 +119,7 @@ class System:
         self.rail: Process | None = None
         self.merchant: Process | None = None
         self.processes: list[Process] = []
+        self._secrets_key: str | None = None
         self._exit = ExitStack()
 
     # -- the parts ------------------------------------------------------------
@@ -138,7 +163,7 @@ class System:
 
     def use_database(self, url: str) -> str:
         """An existing database (`make run`'s), migrated to the newest revision; its URL."""
-        off_loop(migrate_database, url)
+        off_loop(migrate_database, url, self.secrets_key)
         self.database_url = url
         return url
 
@@ -228,9 +253,23 @@ class System:
         return Process(name, [str(BIN / "payments"), "worker"], self.service_env(**settings), log,
                        ready_line=WORKER_STARTED if log else None)
 
+    @property
+    def secrets_key(self) -> str:
+        """The WEBHOOK_SECRETS_KEY of every service process: the settings', the environment's, else the kept one."""
+        if self._secrets_key is None:
+            self._secrets_key = (self.settings.get("WEBHOOK_SECRETS_KEY") or self._base().get("WEBHOOK_SECRETS_KEY")
+                                 or kept_secrets_key())
+        return self._secrets_key
+
+    def seal(self, secret: str) -> str:
+        """A webhook signing secret as webhook_endpoint.secret_sealed holds it, for a row written directly."""
+        return SecretsKey(self.secrets_key).seal(secret)
+
     def service_env(self, **settings: str) -> dict[str, str]:
-        """The environment of a service process: the database, the fakes, this system's settings, `settings`."""
-        env = self._base() | {"DATABASE_URL": self.database_url}
+        """The environment of a service process: the development egress policy, the database, the fakes,
+        this system's settings (its WEBHOOK_SECRETS_KEY among them), `settings`."""
+        env = DEVELOPMENT_EGRESS | self._base() | {"DATABASE_URL": self.database_url,
+                                                    "WEBHOOK_SECRETS_KEY": self.secrets_key}
         if self.psp is not None:
             env["PSP_URL"] = self.psp.url
         if self.rail is not None:

@@ -33,7 +33,7 @@ import pytest
 
 from app import client_accounts
 from app.config import Settings
-from app.outbox import endpoints
+from app.outbox import endpoints, sealing
 from devtools.processes import BIN, Process
 from devtools.system import System
 
@@ -48,11 +48,15 @@ CALLER_DATABASE_URL = os.environ.get("DATABASE_URL")
 # The secret the fake rail signs its notifications of returns with (set on
 # the rail by `clean`), and every API process verifies them with.
 RAIL_SECRET = "whsec_" + base64.b64encode(b"the test rail's notification secret").decode()
+# The key this run's webhook signing secrets are sealed with (a fresh one:
+# a test database lives for one run).
+SECRETS_KEY = sealing.new_key()
 TEST_SETTINGS = {
     "PSP_TIMEOUT_SECONDS": "2",
     "RAIL_TIMEOUT_SECONDS": "2",
     "RAIL_LEGACY_ACCOUNTS": LEGACY_IBAN,
     "RAIL_NOTIFICATION_SECRET": RAIL_SECRET,
+    "WEBHOOK_SECRETS_KEY": SECRETS_KEY,
 }
 
 
@@ -142,7 +146,7 @@ async def clean(stack: Stack, db: asyncpg.Connection) -> None:
     """Empty tables and fault plans; autouse in integration/ and crash/."""
     await db.execute(
         "TRUNCATE reconciliation_break, scheduled_run, ledger_entry, idempotency_key, rail_message, payment, client, "
-        "event, webhook_endpoint, webhook_delivery, webhook_attempt, "
+        "event, webhook_endpoint, webhook_delivery, webhook_attempt, console_session, "
         "fake_psp.charge, fake_psp.refund, fake_psp.request, fake_rail.transfer, fake_rail.closed_day, "
         "fake_rail.request, fake_rail.notification_attempt, fake_rail.notification, fake_rail.transfer_return"
     )
@@ -168,6 +172,11 @@ class Client:
     @property
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
+
+
+def seal(secret: str) -> str:
+    """A webhook signing secret as the service stores it (webhook_endpoint.secret_sealed)."""
+    return sealing.SecretsKey(SECRETS_KEY).seal(secret)
 
 
 async def make_client(db: asyncpg.Connection, name: str) -> Client:
@@ -196,7 +205,8 @@ async def shop(db: asyncpg.Connection, stack: Stack, merchant: Process, clean: N
     client = await make_client(db, "shop")
     secret = endpoints.new_secret()
     url = merchant.url + "/webhooks"
-    await db.execute("INSERT INTO webhook_endpoint (client_id, url, secret) VALUES ($1, $2, $3)", client.id, url, secret)
+    await db.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) VALUES ($1, $2, $3)",
+                     client.id, url, seal(secret))
     async with httpx.AsyncClient() as http:
         (await http.delete(merchant.url + "/_admin/faults")).raise_for_status()
         (await http.put(merchant.url + "/_admin/secrets", json={"secrets": [secret]})).raise_for_status()

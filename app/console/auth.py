@@ -1,12 +1,17 @@
 """Who may see the console: whoever holds the operator token, and nobody else.
 
 The token comes as `Authorization: Bearer <token>` (for curl and scripts) or
-as a cookie set by the login form: an HttpOnly (no script can read it),
-SameSite=Strict (no other site's page can send it) cookie holding an HMAC of
-the token rather than the token itself, so the cookie is worthless once the
-token changes. Every comparison is of SHA-256 digests with
-`hmac.compare_digest`, which takes the same time wherever the inputs differ,
-so the token cannot be guessed a character at a time from response times.
+through the login form, which opens a server-side session
+(app/console/sessions.py): the cookie holds only that session's random id,
+HttpOnly (no script can read it), SameSite=Strict (no other site's page can
+send it), Secure when the request came over TLS. Every comparison of the
+token is of SHA-256 digests with `hmac.compare_digest`, which takes the same
+time wherever the inputs differ, so the token cannot be guessed a character
+at a time from response times.
+
+A console POST is accepted only from the console's own pages
+(`same_origin`): a page on another site cannot log an operator out, or in,
+or post anything else the console may one day accept.
 
 A client's API key is never accepted: it is not the operator token, and the
 console does not look at the client table to authenticate anyone. The console
@@ -17,14 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from pydantic import SecretStr
 
 COOKIE = "console_session"
-# How long the login cookie lasts: one working day of on-call, then log in again.
-COOKIE_MAX_AGE_SECONDS = 12 * 3600
-_SESSION_CONTEXT = b"exactly-once-payments operator console session v1"
 
 
 def _digest(value: str) -> bytes:
@@ -36,13 +39,26 @@ def is_operator_token(given: str | None, token: SecretStr) -> bool:
     return given is not None and hmac.compare_digest(_digest(given), _digest(token.get_secret_value()))
 
 
-def session_value(token: SecretStr) -> str:
-    """The login cookie's value: an HMAC of a fixed context under the token."""
-    return hmac.new(token.get_secret_value().encode(), _SESSION_CONTEXT, hashlib.sha256).hexdigest()
+def same_origin(method: str, headers: Mapping[str, str]) -> bool:
+    """A request a browser sent from this service's own pages, or one no browser sent.
 
-
-def is_session(given: str | None, token: SecretStr) -> bool:
-    return given is not None and hmac.compare_digest(_digest(given), _digest(session_value(token)))
+    The algorithm of Go's net/http CrossOriginProtection: a browser says
+    where a request comes from in Sec-Fetch-Site (every current browser),
+    else in Origin, which must then name the host the request was sent to.
+    A request with neither is not from a browser (curl, a script), or from
+    one too old to send them, whose SameSite=Strict cookie still stays off
+    another site's request. "null" (a sandboxed or privacy-stripped page) is
+    refused.
+    """
+    if method in ("GET", "HEAD", "OPTIONS"):
+        return True
+    site = headers.get("sec-fetch-site")
+    if site is not None:
+        return site in ("same-origin", "none")  # "none": typed into the address bar, a bookmark
+    origin = headers.get("origin")
+    if origin is None:
+        return True
+    return urlsplit(origin).netloc.lower() == headers.get("host", "").lower() != ""
 
 
 def bearer(authorization: str | None) -> str | None:

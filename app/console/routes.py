@@ -8,11 +8,14 @@
     /console/reconciliation      reconciliation runs and breaks
     /console/webhooks            webhook deliveries by state: dead (for a
                                  person), pending, delivered, cancelled
-    /console/login, /logout      the operator token, once, for a cookie
+    /console/login, /logout      the operator token, once, for a session
+                                 (app/console/sessions.py); logout ends it
 
-Every page first reads what it needs (app/readmodel, one SELECT each, the
-connection back in the pool when it returns); only the operation page then
-asks the PSP and the rail (records.py), with no connection held.
+Every POST is refused (403) unless it comes from the console's own pages
+(auth.same_origin). Every page first reads what it needs (app/readmodel, one
+SELECT each, the connection back in the pool when it returns); only the
+operation page then asks the PSP and the rail (records.py), with no
+connection held.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from fastapi.responses import RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
-from app.console import auth, records, timeline
-from app.db.transaction import read
+from app.console import auth, records, sessions, timeline
+from app.db.transaction import atomic, one_statement, read
 from app.payments.models import CURRENCIES
 from app.payments.recovery_points import ALL as RECOVERY_POINTS
+from app.problems import CROSS_ORIGIN_REQUEST, ProblemError
 from app.readmodel import queries
 from app.services import Services
 
@@ -75,14 +79,26 @@ environment = Environment(
 environment.filters.update(ts=_ts, money=_money, masked=_masked)
 templates = Jinja2Templates(env=environment)
 
-router = APIRouter(prefix="/console", include_in_schema=False)
-
-
 class Refusal(Exception):
     """A page that is not shown: the console is disabled, or the caller is not the operator."""
 
     def __init__(self, response: Response) -> None:
         self.response = response
+
+
+async def from_the_console(request: Request) -> None:
+    """Every console route's first check: a POST from another site or origin is refused (403), and changes nothing.
+
+    A ProblemError, answered as problem+json by the app's own handler (app/api/errors.py)."""
+    if not auth.same_origin(request.method, request.headers):
+        raise ProblemError(
+            CROSS_ORIGIN_REQUEST, f"{request.method} {request.url.path} came from another site or origin",
+            headers={"Cache-Control": "no-store"},
+        )
+
+
+# On the router, so that a POST added later is checked as well.
+router = APIRouter(prefix="/console", include_in_schema=False, dependencies=[Depends(from_the_console)])
 
 
 def page(request: Request, name: str, context: dict[str, Any], status_code: int = 200) -> Response:
@@ -94,14 +110,15 @@ def services_of(request: Request) -> Services:
 
 
 async def operator(request: Request) -> Services:
-    """The services, if the caller holds the operator token (header or login cookie); else refused."""
+    """The services, if the caller holds the operator token (header) or a live session (cookie); else refused."""
     services = services_of(request)
     token = services.settings.operator_token
     if token is None:
         raise Refusal(page(request, "disabled.html", {}, 404))
-    if auth.is_operator_token(auth.bearer(request.headers.get("authorization")), token) or auth.is_session(
-        request.cookies.get(auth.COOKIE), token
-    ):
+    if auth.is_operator_token(auth.bearer(request.headers.get("authorization")), token):
+        return services
+    cookie = request.cookies.get(auth.COOKIE)
+    if cookie and await read(services.engine, sessions.is_open, cookie, token):
         return services
     here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     raise Refusal(page(request, "login.html", {"next": here, "error": None}, 401))
@@ -113,11 +130,16 @@ Operator = Depends(operator)
 # -- logging in ------------------------------------------------------------------------------------
 
 
-def _logged_in(request: Request, services: Services, target: str | None) -> Response:
-    assert services.settings.operator_token is not None
+async def _logged_in(request: Request, services: Services, target: str | None) -> Response:
+    """A new session, and its id in a cookie. Secure when the request came over TLS: to uvicorn directly,
+    or through a proxy in FORWARDED_ALLOW_IPS that said so in X-Forwarded-Proto (uvicorn then sets the scheme)."""
+    settings = services.settings
+    assert settings.operator_token is not None
+    seconds = settings.console_session_seconds
+    session_id = await atomic(services.engine, sessions.open_session, settings.operator_token, seconds)
     response = RedirectResponse(auth.safe_next(target), status_code=303, headers=HEADERS)
     response.set_cookie(
-        auth.COOKIE, auth.session_value(services.settings.operator_token), max_age=auth.COOKIE_MAX_AGE_SECONDS,
+        auth.COOKIE, session_id, max_age=seconds,
         path="/console", httponly=True, samesite="strict", secure=request.url.scheme == "https",
     )
     return response
@@ -137,7 +159,7 @@ async def login_form(request: Request, token: str | None = None, next: str | Non
         return page(request, "disabled.html", {}, 404)
     if token is not None:
         if auth.is_operator_token(token, configured):
-            return _logged_in(request, services, next)
+            return await _logged_in(request, services, next)
         return page(request, "login.html", {"next": auth.safe_next(next), "error": "That is not the operator token."}, 401)
     return page(request, "login.html", {"next": auth.safe_next(next), "error": None})
 
@@ -154,12 +176,16 @@ async def login(request: Request) -> Response:
     given = (form.get("token") or [None])[0]
     target = (form.get("next") or [None])[0]
     if auth.is_operator_token(given, configured):
-        return _logged_in(request, services, target)
+        return await _logged_in(request, services, target)
     return page(request, "login.html", {"next": auth.safe_next(target), "error": "That is not the operator token."}, 401)
 
 
 @router.post("/logout")
 async def logout(request: Request) -> Response:
+    """End the session at once (its cookie opens nothing from now on), and delete the cookie."""
+    services = services_of(request)
+    if services.settings.operator_token is not None:
+        await one_statement(services.engine, sessions.revoke, request.cookies.get(auth.COOKIE))
     response = RedirectResponse("/console/login", status_code=303, headers=HEADERS)
     response.delete_cookie(auth.COOKIE, path="/console", httponly=True, samesite="strict")
     return response

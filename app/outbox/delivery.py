@@ -4,11 +4,13 @@ Where it sits: after the commit, off every request's path. A phase wrote the
 event and its delivery with the decision (app/outbox/events.py); the
 dispatcher in `payments worker` (app/workers/webhooks.py) runs these three
 steps for each due delivery, and nothing else does: `claim` (one statement,
-committed before anything is sent: leased, the attempt counted), `post`
-(signed with `standardwebhooks`, no transaction and no pooled connection
-held) and `record` (one statement, each row fenced by its lease token).
-`decide` says what an answer leads to. docs/outbox-inbox.md#4-delivery-claim-post-record
-explains the lease, the retry schedule, and what a crash leaves.
+committed before anything is sent: leased, the attempt counted, the secrets
+opened), `post` (signed with `standardwebhooks`, both signatures during a
+rotation's overlap; no transaction and no pooled connection held; connecting
+only where the egress policy, egress.py, permits) and `record` (one
+statement, each row fenced by its lease token). `decide` says what an answer
+leads to. docs/outbox-inbox.md#4-delivery-claim-post-record explains the
+lease, the retry schedule, and what a crash leaves.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ import aiohttp
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 from standardwebhooks import Webhook
+
+from app.outbox import egress
+from app.outbox.sealing import SecretsKey
 
 USER_AGENT = "exactly-once-payments-webhooks/0.1"
 # The longest answer body read to its end (`_finish_reading`); a longer one
@@ -52,10 +57,11 @@ class Claimed:
     due_attempt: int  # counting since the schedule (re)started: what the give-up compares
     lease_token: uuid.UUID
     url: str | None  # None: the client has no endpoint any more
-    secret: str | None
+    secret: str | None  # in the clear; None: no endpoint, or WEBHOOK_SECRETS_KEY cannot open it
     type: str
     data: str  # the event's payload, the JSON text its row holds
     created_at: datetime
+    previous_secret: str | None = None  # a rotated-out secret, within its overlap window
 
     def body(self) -> str:
         """The webhook's body, the Standard Webhooks envelope; the same text on every attempt.
@@ -106,14 +112,16 @@ _CLAIM = text(
          WHERE d.event_id = due.event_id
         RETURNING d.event_id, d.client_id, d.attempts, d.attempts - d.schedule_from AS due_attempt, d.lease_token
     ), target AS (
-        SELECT claimed.*, w.url, w.secret
+        SELECT claimed.*, w.url, w.secret_sealed,
+               CASE WHEN w.previous_secret_until > now() THEN w.previous_secret_sealed END AS previous_secret_sealed
           FROM claimed LEFT JOIN webhook_endpoint w ON w.client_id = claimed.client_id
     ), started AS (
         INSERT INTO webhook_attempt (event_id, attempt, url)
         SELECT event_id, attempts, url FROM target
     )
     SELECT target.event_id, target.client_id, target.attempts AS attempt, target.due_attempt,
-           target.lease_token, target.url, target.secret, e.type, CAST(e.data AS text) AS data, e.created_at
+           target.lease_token, target.url, target.secret_sealed, target.previous_secret_sealed,
+           e.type, CAST(e.data AS text) AS data, e.created_at
       FROM target JOIN event e ON e.id = target.event_id
     """
 )
@@ -195,10 +203,16 @@ _ATTEMPTS = text(
 _BACKLOG = text("SELECT count(*) FROM webhook_delivery WHERE state = 'pending'")
 
 
-async def claim(conn: AsyncConnection, *, limit: int, lease_seconds: float) -> list[Claimed]:
-    """Lease up to `limit` due deliveries (none that another dispatcher holds)."""
+async def claim(conn: AsyncConnection, *, limit: int, lease_seconds: float, key: SecretsKey) -> list[Claimed]:
+    """Lease up to `limit` due deliveries (none that another dispatcher holds), their secrets opened with `key`."""
     rows = await conn.execute(_CLAIM, dict(limit=limit, lease_seconds=lease_seconds))
-    return [Claimed(**row) for row in rows.mappings()]
+    claimed = []
+    for row in rows.mappings():
+        row = dict(row)
+        sealed, previous = row.pop("secret_sealed"), row.pop("previous_secret_sealed")
+        claimed.append(Claimed(**row, secret=sealed and key.open_cached(sealed),
+                               previous_secret=previous and key.open_cached(previous)))
+    return claimed
 
 
 @dataclass(frozen=True)
@@ -262,9 +276,14 @@ async def backlog(conn: AsyncConnection) -> int:
 
 
 def signed_headers(claimed: Claimed, body: str, now: datetime) -> dict[str, str]:
-    """The Standard Webhooks headers for this attempt, signed by the library, never by hand."""
+    """The Standard Webhooks headers for this attempt, signed by the library, never by hand.
+
+    Within a rotation's overlap window, signed with both secrets, the new
+    one first: a receiver that verifies with either accepts it.
+    """
     assert claimed.secret is not None
-    signature = _signer(claimed.secret).sign(str(claimed.event_id), now, body)
+    secrets = (claimed.secret,) if claimed.previous_secret is None else (claimed.secret, claimed.previous_secret)
+    signature = " ".join(_signer(s).sign(str(claimed.event_id), now, body) for s in secrets)
     return {
         "webhook-id": str(claimed.event_id),
         "webhook-timestamp": str(int(now.timestamp())),
@@ -280,8 +299,9 @@ def _signer(secret: str) -> Webhook:
     return Webhook(secret)
 
 
-def session(*, max_connections: int) -> aiohttp.ClientSession:
-    """The dispatcher's HTTP client: aiohttp's own, at most `max_connections` connections open.
+def session(*, max_connections: int, policy: egress.EgressPolicy) -> aiohttp.ClientSession:
+    """The dispatcher's HTTP client: aiohttp's own, at most `max_connections` connections open,
+    connecting only to the addresses `policy` permits, trusting its CAs (egress.py).
 
     aiohttp directly, not httpx's interface over it as the rails use
     (app/rails/transport.py): a webhook needs no more than a status and one
@@ -289,7 +309,8 @@ def session(*, max_connections: int) -> aiohttp.ClientSession:
     nothing the dispatcher uses. Created in the running loop (aiohttp asks for it); the caller closes it.
     """
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(
+        connector=egress.connector(
+            policy,
             limit=max_connections,
             # Shorter than the 5 s idle timeout of common servers (uvicorn's,
             # nginx's is longer): a connection the merchant is closing is not
@@ -322,6 +343,13 @@ async def post(http: aiohttp.ClientSession, claimed: Claimed, timeout: float) ->
             await _finish_reading(response)
     except TimeoutError as exc:  # aiohttp's own timeouts are TimeoutErrors too
         return Answer(None, _since(started), "timeout", _describe(exc, "no answer within the timeout"))
+    except aiohttp.ClientConnectorError as exc:
+        if isinstance(exc.os_error, egress.RefusedAddress):
+            # Nothing was sent: one phrase, whatever is (or is not) there.
+            return Answer(None, _since(started), "refused_address", egress.REFUSED)
+        if isinstance(exc, aiohttp.ClientConnectorCertificateError | aiohttp.ClientConnectorSSLError):
+            return Answer(None, _since(started), "tls", _describe(exc))
+        return Answer(None, _since(started), "connection", _describe(exc))
     except (aiohttp.ClientError, ValueError) as exc:
         # Refused, reset, closed without an answer, not HTTP, an invalid URL
         # (aiohttp's InvalidURL, or a host name IDNA cannot encode, a

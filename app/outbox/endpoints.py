@@ -5,7 +5,11 @@ URL`, `payments clients set-webhook NAME URL`, `payments clients
 remove-webhook NAME`), never over the API. The secret is in the Standard
 Webhooks format (`whsec_` and base64 of 32 random bytes), generated here and
 shown once, when the endpoint is created (or `--rotate-secret`). Unlike an
-API key it is stored as it is: we need it to sign every delivery.
+API key it cannot be stored as a hash (we sign every delivery with it): it
+is stored sealed with WEBHOOK_SECRETS_KEY (sealing.py), never in the clear.
+A URL is registered only if the egress policy takes it (egress.py).
+A rotated-out secret is kept, and sent beside the new one, for an overlap
+window (docs/outbox-inbox.md#rotating-a-signing-secret).
 
 An endpoint gets deliveries for the events written while it exists; a
 changed URL receives the pending ones too (they are signed and sent to
@@ -17,16 +21,15 @@ from __future__ import annotations
 
 import base64
 import secrets
-from urllib.parse import urlsplit
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+# InvalidWebhookUrl: what checked_url raises, caught by its callers from here.
+from app.outbox.egress import EgressPolicy, InvalidWebhookUrl  # noqa: F401
+from app.outbox.sealing import SecretsKey
+
 SECRET_PREFIX = "whsec_"
-
-
-class InvalidWebhookUrl(ValueError):
-    """Not an absolute http(s) URL with a host."""
 
 
 def new_secret() -> str:
@@ -34,22 +37,31 @@ def new_secret() -> str:
     return SECRET_PREFIX + base64.b64encode(secrets.token_bytes(32)).decode()
 
 
-def checked_url(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise InvalidWebhookUrl(f"a webhook URL is an absolute http:// or https:// URL, not {url!r}")
-    return url
+def checked_url(url: str, policy: EgressPolicy) -> str:
+    """The URL if `policy` lets it be registered; InvalidWebhookUrl saying why not."""
+    return policy.checked_url(url)
 
 
+# A rotation keeps the current secret as the previous one, sent beside the
+# new one until `previous_secret_until`. Any other change of the endpoint
+# clears a previous secret whose window has ended.
 _UPSERT = text(
     """
-    INSERT INTO webhook_endpoint (client_id, url, secret)
-    VALUES (:client_id, :url, :secret)
+    INSERT INTO webhook_endpoint (client_id, url, secret_sealed)
+    VALUES (:client_id, :url, :sealed)
     ON CONFLICT (client_id) DO UPDATE
        SET url = EXCLUDED.url,
-           secret = CASE WHEN :rotate THEN EXCLUDED.secret ELSE webhook_endpoint.secret END,
+           secret_sealed = CASE WHEN :rotate THEN EXCLUDED.secret_sealed ELSE webhook_endpoint.secret_sealed END,
+           previous_secret_sealed = CASE
+               WHEN :rotate THEN webhook_endpoint.secret_sealed
+               WHEN webhook_endpoint.previous_secret_until > now() THEN webhook_endpoint.previous_secret_sealed
+           END,
+           previous_secret_until = CASE
+               WHEN :rotate THEN now() + make_interval(secs => :overlap_seconds)
+               WHEN webhook_endpoint.previous_secret_until > now() THEN webhook_endpoint.previous_secret_until
+           END,
            updated_at = now()
-    RETURNING secret, (xmax = 0) AS created
+    RETURNING (xmax = 0) AS created, previous_secret_until
     """
 )
 _REMOVE = text("DELETE FROM webhook_endpoint WHERE client_id = :client_id RETURNING url")
@@ -61,17 +73,37 @@ _CANCEL_PENDING = text(
      WHERE client_id = :client_id AND state = 'pending'
     """
 )
-_GET = text("SELECT url, secret FROM webhook_endpoint WHERE client_id = :client_id")
+_GET = text("SELECT url, secret_sealed FROM webhook_endpoint WHERE client_id = :client_id")
+_SEALED = text(
+    "SELECT client_id, secret_sealed, previous_secret_sealed FROM webhook_endpoint "
+    "WHERE client_id > :after ORDER BY client_id LIMIT :limit"
+)
+_RESEAL = text(
+    """
+    UPDATE webhook_endpoint w
+       SET secret_sealed = r.secret_sealed, previous_secret_sealed = r.previous_secret_sealed
+      FROM unnest(CAST(:client_ids AS bigint[]), CAST(:secrets AS text[]), CAST(:previous AS text[]))
+           AS r(client_id, secret_sealed, previous_secret_sealed)
+     WHERE w.client_id = r.client_id
+    """
+)
 
 
-async def set_endpoint(conn: AsyncConnection, client_id: int, url: str, *, rotate_secret: bool = False) -> str | None:
-    """Create or change the client's endpoint; the secret if it is new (to show once), else None."""
+async def set_endpoint(conn: AsyncConnection, client_id: int, url: str, key: SecretsKey, *,
+                       rotate_secret: bool = False, overlap_seconds: float = 0.0) -> str | None:
+    """Create or change the client's endpoint; the secret if it is new (to show once), else None.
+
+    `url` has passed the egress policy (`checked_url`). With `rotate_secret`,
+    the current secret is still sent beside the new one for `overlap_seconds`.
+    """
+    secret = new_secret()
     row = (
         await conn.execute(
-            _UPSERT, dict(client_id=client_id, url=checked_url(url), secret=new_secret(), rotate=rotate_secret)
+            _UPSERT, dict(client_id=client_id, url=url, sealed=key.seal(secret), rotate=rotate_secret,
+                          overlap_seconds=overlap_seconds)
         )
     ).one()
-    return row.secret if row.created or rotate_secret else None
+    return secret if row.created or rotate_secret else None
 
 
 async def remove_endpoint(conn: AsyncConnection, client_id: int) -> int | None:
@@ -81,7 +113,23 @@ async def remove_endpoint(conn: AsyncConnection, client_id: int) -> int | None:
     return (await conn.execute(_CANCEL_PENDING, dict(client_id=client_id))).rowcount
 
 
-async def get_endpoint(conn: AsyncConnection, client_id: int) -> tuple[str, str] | None:
-    """(url, secret), or None."""
+async def get_endpoint(conn: AsyncConnection, client_id: int, key: SecretsKey) -> tuple[str, str | None] | None:
+    """(url, secret in the clear; None if `key` cannot open it), or None."""
     row = (await conn.execute(_GET, dict(client_id=client_id))).one_or_none()
-    return None if row is None else (row.url, row.secret)
+    return None if row is None else (row.url, key.open(row.secret_sealed))
+
+
+async def reseal_all(conn: AsyncConnection, key: SecretsKey, batch: int = 500) -> int:
+    """Every endpoint's secrets sealed again under the first key of `key`; how many endpoints.
+
+    InvalidToken if a secret was sealed by no key of `key` (nothing is then written).
+    """
+    after, count = 0, 0
+    while rows := (await conn.execute(_SEALED, dict(after=after, limit=batch))).all():
+        await conn.execute(_RESEAL, dict(
+            client_ids=[r.client_id for r in rows],
+            secrets=[key.reseal(r.secret_sealed) for r in rows],
+            previous=[r.previous_secret_sealed and key.reseal(r.previous_secret_sealed) for r in rows],
+        ))
+        after, count = rows[-1].client_id, count + len(rows)
+    return count

@@ -22,8 +22,9 @@ import aiohttp
 
 from app.db.errors import database_unavailable, describe, loggable
 from app.db.transaction import one_statement
-from app.outbox import delivery
+from app.outbox import delivery, egress
 from app.outbox.delivery import Claimed, LeaseLost
+from app.outbox.sealing import SecretsKey
 from app.machine.crash import reached
 from app.services import Services
 from app.workers import outage_backoff, pause
@@ -86,11 +87,22 @@ class Recorder:
                     done.set_result(attempted.claimed.event_id in recorded)
 
 
-async def deliver(services: Services, http: aiohttp.ClientSession, recorder: Recorder, claimed: Claimed) -> str:
+# What an attempt records when nothing could be sent.
+NOT_OPENED = delivery.Answer(None, 0.0, "sealed_secret",
+                             "the signing secret cannot be opened with WEBHOOK_SECRETS_KEY")
+NOT_HTTPS = delivery.Answer(None, 0.0, "refused_scheme", egress.NOT_HTTPS)
+
+
+async def deliver(services: Services, http: aiohttp.ClientSession, recorder: Recorder, claimed: Claimed,
+                  policy: egress.EgressPolicy) -> str:
     """POST one claimed delivery and record what came of it; the outcome."""
     settings = services.settings
     if claimed.url is None:
         answer = None  # the endpoint was removed after the event was written
+    elif not policy.permits_scheme(claimed.url):
+        answer = NOT_HTTPS  # registered before the policy, or while WEBHOOK_ALLOW_HTTP was on
+    elif claimed.secret is None:
+        answer = NOT_OPENED  # sealed by a key no longer in WEBHOOK_SECRETS_KEY
     else:
         answer = await delivery.post(http, claimed, settings.webhook_timeout_seconds)
         reached(settings.payments_crash_at, "webhook-after-delivery")
@@ -106,9 +118,10 @@ async def deliver(services: Services, http: aiohttp.ClientSession, recorder: Rec
     return decision.outcome
 
 
-async def _deliver_logged(services: Services, http: aiohttp.ClientSession, recorder: Recorder, claimed: Claimed) -> None:
+async def _deliver_logged(services: Services, http: aiohttp.ClientSession, recorder: Recorder, claimed: Claimed,
+                          policy: egress.EgressPolicy) -> None:
     try:
-        await deliver(services, http, recorder, claimed)
+        await deliver(services, http, recorder, claimed, policy)
     except LeaseLost as exc:
         log.warning("%s", exc)
     except Exception as exc:
@@ -129,8 +142,12 @@ async def dispatch_loop(services: Services, stop: asyncio.Event) -> None:
     failures = 0  # claims failed in a row
     refill = max(1, settings.webhook_concurrency // 2)
     recorder = Recorder(services, in_flight=lambda: len(running))
+    policy = egress.EgressPolicy.from_settings(settings)
+    if settings.webhook_secrets_key is None:  # `payments worker` refuses to start without it
+        raise RuntimeError("WEBHOOK_SECRETS_KEY is not set: webhook secrets cannot be opened to sign with")
+    key = SecretsKey(settings.webhook_secrets_key.get_secret_value())
     recording = asyncio.create_task(recorder.run())
-    async with delivery.session(max_connections=settings.webhook_concurrency * 2) as http:
+    async with delivery.session(max_connections=settings.webhook_concurrency * 2, policy=policy) as http:
         try:
             while not stop.is_set():
                 free = settings.webhook_concurrency - len(running)
@@ -142,7 +159,8 @@ async def dispatch_loop(services: Services, stop: asyncio.Event) -> None:
                     continue
                 try:
                     claimed = await one_statement(
-                        services.engine, delivery.claim, limit=free, lease_seconds=settings.webhook_lease_seconds
+                        services.engine, delivery.claim, limit=free, lease_seconds=settings.webhook_lease_seconds,
+                        key=key,
                     )
                 except Exception as exc:
                     failures += 1
@@ -158,7 +176,7 @@ async def dispatch_loop(services: Services, stop: asyncio.Event) -> None:
                 if claimed:
                     reached(settings.payments_crash_at, "webhook-after-claim")
                 for item in claimed:
-                    task = asyncio.create_task(_deliver_logged(services, http, recorder, item))
+                    task = asyncio.create_task(_deliver_logged(services, http, recorder, item, policy))
                     running.add(task)
                     task.add_done_callback(running.discard)
                 if len(claimed) < free:

@@ -21,6 +21,8 @@ import pytest
 from standardwebhooks import Webhook
 
 from app.outbox.endpoints import new_secret
+from app.outbox.sealing import SecretsKey
+from tests.conftest import SECRETS_KEY
 from tests.support import headers, payment_body, until
 
 pytestmark = pytest.mark.usefixtures("stack")
@@ -279,15 +281,18 @@ async def test_the_cli_creates_a_client_with_a_webhook_and_shows_its_secret_once
     assert code == 0, output
     secret = next(word for word in output.split() if word.startswith("whsec_"))
     stored = await db.fetchrow(
-        "SELECT w.url, w.secret FROM webhook_endpoint w JOIN client c ON c.id = w.client_id WHERE c.name = 'cli-shop'"
+        "SELECT w.url, w.secret_sealed FROM webhook_endpoint w JOIN client c ON c.id = w.client_id "
+        "WHERE c.name = 'cli-shop'"
     )
-    assert (stored["url"], stored["secret"]) == (url, secret)
+    # Stored sealed (docs/outbox-inbox.md#signing-secrets-at-rest): it opens to the secret shown.
+    assert (stored["url"], SecretsKey(SECRETS_KEY).open(stored["secret_sealed"])) == (url, secret)
 
     code, output = await processes.cli("clients", "set-webhook", "cli-shop", url + "/v2")
     assert code == 0 and "whsec_" not in output and "unchanged" in output, output
     code, output = await processes.cli("clients", "set-webhook", "cli-shop", "ftp://nope")
     assert code == 2, output
-    assert (await db.fetchval("SELECT url FROM webhook_endpoint WHERE secret = $1", secret)) == url + "/v2"
+    assert (await db.fetchval("SELECT url FROM webhook_endpoint WHERE secret_sealed = $1",
+                              stored["secret_sealed"])) == url + "/v2", "the secret unchanged, the URL changed"
 
 
 async def test_a_worker_survives_without_its_merchant(http, stack, db, shop, processes):

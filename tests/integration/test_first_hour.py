@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from devtools.processes import BIN, free_port
+from tests.conftest import SECRETS_KEY
 from devtools.system import System
 
 PASSWORD = "s3cret-first-hour"
@@ -26,10 +27,11 @@ COMMANDS = [
 ]
 
 
-async def payments(*args: str, database_url: str) -> tuple[int, str, str]:
-    """`payments <args>` with only DATABASE_URL set: its exit code, stdout and stderr."""
+async def payments(*args: str, database_url: str, **env: str) -> tuple[int, str, str]:
+    """`payments <args>` with only DATABASE_URL (and `env`) set: its exit code, stdout and stderr."""
     process = await asyncio.create_subprocess_exec(
-        str(BIN / "payments"), *args, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "DATABASE_URL": database_url},
+        str(BIN / "payments"), *args,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "DATABASE_URL": database_url} | env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(process.communicate(), timeout=120)
@@ -133,14 +135,14 @@ async def test_a_name_two_clients_share_is_refused_and_each_is_addressed_by_its_
     first, second = [r["id"] for r in await db.fetch("SELECT id FROM client WHERE name = 'acme' ORDER BY id")]
 
     code, out, err = await payments("clients", "set-webhook", "acme", "https://acme.example/webhooks",
-                                    database_url=database_url)
+                                    database_url=database_url, WEBHOOK_SECRETS_KEY=SECRETS_KEY)
 
     assert (code, out) == (2, ""), (code, out, err)
     assert err.splitlines() == [f"2 clients are named 'acme' (ids {first}, {second}): give the id instead of the name"]
     assert await db.fetchval("SELECT count(*) FROM webhook_endpoint") == 0  # not the newest, silently
 
     code, out, err = await payments("clients", "set-webhook", str(first), "https://acme.example/webhooks",
-                                    database_url=database_url)
+                                    database_url=database_url, WEBHOOK_SECRETS_KEY=SECRETS_KEY)
     assert code == 0, err
     assert [tuple(r) for r in await db.fetch("SELECT client_id, url FROM webhook_endpoint")] == [
         (first, "https://acme.example/webhooks")]

@@ -191,9 +191,18 @@ async def test_slow_bodies_from_one_address_leave_healthz_and_paying_clients_ans
         assert (await key_row(db, acme.id, key))["state"] == "finished"
         assert len(await charges(db, reference)) == 1
     # Every slow connection the server took was cut off at the deadline:
-    # 408 when the app waited for the body, a 401 (given at once, without
-    # the body) then closed for an unsigned notification. None is still open.
-    assert {_status(answer) for answer, _ in outcomes} <= {408, 401}, outcomes
+    # 408 when the app waited for the body (the payments, odd n); for an
+    # unsigned notification (even n), a 401 given at once, without the body,
+    # then the connection closed. Either close comes while the client is
+    # still trickling bytes the server never read, so the kernel may reset
+    # the connection, and a reset can discard the answer still unread in
+    # the client's buffer (b"", no status): what the server did is proved by
+    # the durations here and the counts below (a lone slow body's 408 is
+    # read whole in test_a_body_that_does_not_arrive_in_time_is_answered_408_and_counted).
+    # None is still open.
+    paths = [n % 2 for n, _, _ in held]
+    assert {_status(answer) for odd, (answer, _) in zip(paths, outcomes) if odd} <= {408, None}, outcomes
+    assert {_status(answer) for odd, (answer, _) in zip(paths, outcomes) if not odd} <= {401, None}, outcomes
     assert all(DEADLINE - 0.5 < took < DEADLINE + 20 for _, took in outcomes), [took for _, took in outcomes]
 
     async def each_counted() -> bool:

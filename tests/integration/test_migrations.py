@@ -298,3 +298,104 @@ async def test_0008_keeps_every_payment_and_break_and_lets_a_paid_out_payment_be
             )
     finally:
         await conn.close()
+
+
+async def test_0009_seals_every_plaintext_webhook_secret_and_refuses_without_the_key(scratch):
+    from cryptography.fernet import Fernet
+
+    from app.admin import MigrationRefused, migrate_database
+
+    previous = revision_before("0009")
+    await migrate(scratch, previous)
+    conn = await asyncpg.connect(scratch)
+    plaintext = {}
+    try:
+        for n in range(3):
+            client = await conn.fetchval(f"INSERT INTO client (name, api_key_hash) VALUES ('c{n}', 'h{n}') RETURNING id")
+            plaintext[client] = f"whsec_{'ABCD' * 8}{n}="[:50]
+            await conn.execute("INSERT INTO webhook_endpoint (client_id, url, secret) VALUES ($1, $2, $3)",
+                               client, f"https://merchant{n}.example/hooks", plaintext[client])
+        before = await conn.fetch("SELECT client_id, url, created_at FROM webhook_endpoint ORDER BY client_id")
+    finally:
+        await conn.close()
+
+    # Rows to seal and no key: refused, and nothing changed.
+    def upgrade(key):
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(migrate_database, scratch, key).result()
+
+    with pytest.raises(MigrationRefused, match="3 webhook signing secrets must be sealed with WEBHOOK_SECRETS_KEY"):
+        upgrade(None)
+    conn = await asyncpg.connect(scratch)
+    try:
+        assert await conn.fetchval("SELECT version_num FROM alembic_version") == previous
+        assert {r["client_id"]: r["secret"] for r in await conn.fetch("SELECT * FROM webhook_endpoint")} == plaintext
+    finally:
+        await conn.close()
+
+    key = Fernet.generate_key().decode()
+    upgrade(f"{key},{Fernet.generate_key().decode()}")  # the first key of a list seals
+
+    conn = await asyncpg.connect(scratch)
+    try:
+        after = await conn.fetch("SELECT * FROM webhook_endpoint ORDER BY client_id")
+        assert [(r["client_id"], r["url"], r["created_at"]) for r in after] == [tuple(r) for r in before]
+        assert "secret" not in after[0].keys(), "the plaintext column is gone"
+        assert {r["client_id"]: Fernet(key).decrypt(r["secret_sealed"].encode()).decode() for r in after} == plaintext
+        assert all(r["previous_secret_sealed"] is None and r["previous_secret_until"] is None for r in after)
+        with pytest.raises(asyncpg.CheckViolationError):  # never a secret in the clear again
+            await conn.execute("UPDATE webhook_endpoint SET secret_sealed = 'whsec_AAAA'")
+    finally:
+        await conn.close()
+
+
+async def test_0009_needs_no_key_when_there_is_no_secret_to_seal(scratch):
+    await migrate(scratch, revision_before("0009"))
+    await migrate(scratch, "0009")
+    conn = await asyncpg.connect(scratch)
+    try:
+        columns = {r["column_name"] for r in await conn.fetch(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = 'webhook_endpoint'")}
+        assert {"secret_sealed", "previous_secret_sealed", "previous_secret_until"} <= columns
+        assert "secret" not in columns
+    finally:
+        await conn.close()
+
+
+async def test_0010_adds_console_sessions_beside_every_row_of_the_previous_head(scratch):
+    from cryptography.fernet import Fernet
+
+    previous = revision_before("0010")
+    await migrate(scratch, previous)
+    conn = await asyncpg.connect(scratch)
+    try:
+        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
+        await insert_payment(conn, uuid.uuid4(), client, "order-1", "succeeded")
+        key = Fernet.generate_key().decode()
+        await conn.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) VALUES ($1, $2, $3)",
+                           client, "https://merchant.example/hooks",
+                           Fernet(key).encrypt(b"whsec_" + b"A" * 32).decode())
+        tables = ("client", "payment", "webhook_endpoint")
+        before = {t: [dict(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1")] for t in tables}
+    finally:
+        await conn.close()
+
+    await migrate(scratch, "0010")
+
+    conn = await asyncpg.connect(scratch)
+    try:
+        assert {t: [dict(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1")] for t in tables} == before
+        assert await conn.fetchval("SELECT count(*) FROM console_session") == 0, "no session invented"
+        digest = b"\x01" * 32
+        await conn.execute("INSERT INTO console_session (id_hash, token_fingerprint, expires_at) "
+                           "VALUES ($1, $1, now() + interval '1 hour')", digest)
+        row = await conn.fetchrow("SELECT * FROM console_session")
+        assert row["revoked_at"] is None and row["expires_at"] - row["created_at"] == timedelta(hours=1)
+        with pytest.raises(asyncpg.UniqueViolationError):
+            await conn.execute("INSERT INTO console_session (id_hash, token_fingerprint, expires_at) "
+                               "VALUES ($1, $1, now() + interval '1 hour')", digest)
+        with pytest.raises(asyncpg.CheckViolationError):  # only a SHA-256 is stored, never the id itself
+            await conn.execute("INSERT INTO console_session (id_hash, token_fingerprint, expires_at) "
+                               "VALUES ('raw-session-id', $1, now() + interval '1 hour')", digest)
+    finally:
+        await conn.close()

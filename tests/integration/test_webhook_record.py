@@ -26,8 +26,10 @@ from app.config import asyncpg_url
 from app.db.transaction import one_statement
 from app.outbox import delivery
 from app.outbox.delivery import Answer, Attempted, Decision, LeaseLost
+from app.outbox.sealing import SecretsKey
 from app.workers import webhooks
 from app.workers.webhooks import Recorder
+from tests.conftest import SECRETS_KEY, seal
 from tests.support import headers, payment_body
 
 
@@ -41,13 +43,13 @@ async def engine(database_url):
 @pytest.fixture
 async def claimed(http, stack, db, clean, acme, engine) -> list[delivery.Claimed]:
     """Three of acme's deliveries, claimed by "us" (acme's endpoint is never called: no dispatcher runs)."""
-    await db.execute("INSERT INTO webhook_endpoint (client_id, url, secret) VALUES ($1, $2, $3)",
-                     acme.id, "http://127.0.0.1:9/never-called", "whsec_" + "A" * 32)
+    await db.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) VALUES ($1, $2, $3)",
+                     acme.id, "http://127.0.0.1:9/never-called", seal("whsec_" + "A" * 32))
     for _ in range(3):
         response = await http.post(f"{stack.api}/v1/payments", json=payment_body(),
                                    headers=headers(acme, str(uuid.uuid4())))
         assert response.status_code == 201, response.text
-    got = await one_statement(engine, delivery.claim, limit=10, lease_seconds=30)
+    got = await one_statement(engine, delivery.claim, limit=10, lease_seconds=30, key=SecretsKey(SECRETS_KEY))
     assert len(got) == 3
     return sorted(got, key=lambda c: c.event_id)
 

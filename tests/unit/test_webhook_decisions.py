@@ -7,13 +7,15 @@ signature the receiver's copy of the library accepts.
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from standardwebhooks import Webhook, WebhookVerificationError
 
-from app.outbox import delivery
+from app.outbox import delivery, egress
 from app.outbox.delivery import Answer, Claimed
+from app.outbox.egress import EgressPolicy
 from app.outbox.endpoints import InvalidWebhookUrl, checked_url, new_secret
 
 SCHEDULE = dict(max_attempts=5, base=10.0, cap=60.0)
@@ -77,5 +79,6 @@ def test_a_signed_delivery_verifies_with_the_library_on_the_receivers_side():
 
 @pytest.mark.parametrize("url", ["ftp://x/y", "/webhooks", "http://", "merchant.test/webhooks"])
 def test_only_absolute_http_urls_are_webhook_endpoints(url):
-    with pytest.raises(InvalidWebhookUrl):
-        checked_url(url)
+    for policy in (EgressPolicy(), egress.development()):
+        with pytest.raises(InvalidWebhookUrl):
+            checked_url(url, policy)

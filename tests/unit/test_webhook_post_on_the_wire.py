@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 import pytest
 from standardwebhooks import Webhook
 
-from app.outbox import delivery
+from app.outbox import delivery, egress
 from app.outbox.delivery import Claimed
 from app.outbox.endpoints import new_secret
 
@@ -70,7 +70,8 @@ def endpoint(serve) -> Callable[[Merchant], Awaitable[str]]:
 
 @pytest.fixture
 async def session():
-    async with delivery.session(max_connections=4) as http:
+    # The merchants here are on loopback: the development policy lets the dispatcher reach them.
+    async with delivery.session(max_connections=4, policy=egress.development()) as http:
         yield http
 
 
