@@ -70,14 +70,36 @@ def migrate_database(url: str, webhook_secrets_key: str | None = None) -> list[s
     return on_database(url, lambda engine: autocommit(engine, partitions.ensure_ahead))
 
 
-def create_client(url: str, name: str, api_key: str | None = None) -> tuple[int, str]:
-    """A new client named `name` (names need not be unique) with `api_key`, else a new one: (its id, its key).
+class NameTaken(Exception):
+    """Clients with this name exist already (`ids`, oldest first)."""
 
+    def __init__(self, name: str, ids: list[int]) -> None:
+        super().__init__(f"a client named {name!r} exists already: id {', '.join(map(str, ids))}")
+        self.ids = ids
+
+
+def create_client(url: str, name: str, api_key: str | None = None, *, unique_name: bool = False) -> tuple[int, str]:
+    """A new client named `name` with `api_key`, else a new one: (its id, its key).
+
+    `unique_name`: raise NameTaken, creating nothing, if a client has that
+    name already (what `payments clients create` asks for). Without it names
+    may repeat (the tests, demos and bench name their clients freely).
     Only the key's hash is stored: the key returned is the one chance to see it.
     """
     api_key = api_key or client_accounts.new_api_key()
-    client_id = on_database(url, lambda engine: atomic(engine, client_accounts.create, name, api_key))
-    return client_id, api_key
+    create = client_accounts.create_named_once if unique_name else client_accounts.create
+    created = on_database(url, lambda engine: atomic(engine, create, name, api_key))
+    if isinstance(created, list):
+        raise NameTaken(name, created)
+    return created, api_key
+
+
+async def _client_id(conn, client: int | str) -> int | list[int] | None:
+    """The id of `client` (an id, or a name held by one client); the ids sharing the name if several; None if none."""
+    if isinstance(client, int):
+        return client if await client_accounts.exists(conn, client) else None
+    ids = await client_accounts.named(conn, client)
+    return None if not ids else ids[0] if len(ids) == 1 else ids
 
 
 def client_of_key(url: str, api_key: str) -> int | None:
@@ -86,52 +108,57 @@ def client_of_key(url: str, api_key: str) -> int | None:
 
 
 def set_webhook(
-    url: str, client_name: str, webhook_url: str, *, policy: EgressPolicy, secrets_key: str,
+    url: str, client: int | str, webhook_url: str, *, policy: EgressPolicy, secrets_key: str,
     rotate_secret: bool = False, overlap_hours: float = 0.0,
-) -> tuple[str, str | None]:
-    """Set the webhook endpoint of the client named `client_name`, its secret sealed with `secrets_key`.
+) -> tuple[str, Any]:
+    """Set the webhook endpoint of `client` (its id, or a name only one client has), its secret sealed with `secrets_key`.
 
-    Returns ("set", the signing secret if it is new, else None) or
-    ("no-client", None). Raises InvalidWebhookUrl (the egress `policy`
+    Returns ("set", the signing secret if it is new, else None),
+    ("no-client", None) or ("ambiguous", the ids of the clients with that
+    name: nothing is changed). Raises InvalidWebhookUrl (the egress `policy`
     refuses the URL) before it touches the database. With `rotate_secret`,
     the old secret is still sent beside the new one for `overlap_hours`.
     """
     endpoints.checked_url(webhook_url, policy)
     key = SecretsKey(secrets_key)
 
-    async def work(conn) -> tuple[str, str | None]:
-        client_id = await client_accounts.by_name(conn, client_name)
+    async def work(conn) -> tuple[str, Any]:
+        client_id = await _client_id(conn, client)
         if client_id is None:
             return "no-client", None
+        if isinstance(client_id, list):
+            return "ambiguous", client_id
         return "set", await endpoints.set_endpoint(conn, client_id, webhook_url, key, rotate_secret=rotate_secret,
                                                    overlap_seconds=overlap_hours * 3600)
 
     return on_database(url, lambda engine: atomic(engine, work))
 
 
-def remove_webhook(url: str, client_name: str) -> tuple[str, int | None]:
-    """Remove the webhook endpoint of the client named `client_name`.
+def remove_webhook(url: str, client: int | str) -> tuple[str, Any]:
+    """Remove the webhook endpoint of `client` (its id, or a name only one client has).
 
     Returns ("removed", how many pending deliveries were cancelled, None if
-    there was no endpoint) or ("no-client", None).
+    there was no endpoint), ("no-client", None) or ("ambiguous", the ids of
+    the clients with that name: nothing is changed).
     """
 
-    async def work(conn) -> tuple[str, int | None]:
-        client_id = await client_accounts.by_name(conn, client_name)
+    async def work(conn) -> tuple[str, Any]:
+        client_id = await _client_id(conn, client)
         if client_id is None:
             return "no-client", None
+        if isinstance(client_id, list):
+            return "ambiguous", client_id
         return "removed", await endpoints.remove_endpoint(conn, client_id)
 
     return on_database(url, lambda engine: atomic(engine, work))
 
 
-def webhook_endpoint(url: str, client_name: str, secrets_key: str) -> tuple[str, str | None] | None:
-    """The (URL, signing secret) of the webhook endpoint of the client named `client_name`; None if it has none."""
+def webhook_endpoint(url: str, client_id: int, secrets_key: str) -> tuple[str, str | None] | None:
+    """The (URL, signing secret) of the webhook endpoint of client `client_id`; None if it has none."""
     key = SecretsKey(secrets_key)
 
     async def work(conn) -> tuple[str, str | None] | None:
-        client_id = await client_accounts.by_name(conn, client_name)
-        return None if client_id is None else await endpoints.get_endpoint(conn, client_id, key)
+        return await endpoints.get_endpoint(conn, client_id, key)
 
     return on_database(url, lambda engine: read(engine, work))
 

@@ -11,10 +11,33 @@ development (`make run`) is not a command of the service: it is devtools/run.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 import typer
+import typer.rich_utils
 from rich.console import Console
+from typer.core import TyperOption
+
+# Help and output read through a pipe (a log, `less`, a test) are not cut at
+# rich's default of 80 columns: without a terminal, and unless COLUMNS or
+# TERMINAL_WIDTH says otherwise, lines are this wide.
+PIPE_WIDTH = 120
+_piped = not sys.stdout.isatty() and not (os.environ.get("COLUMNS") or os.environ.get("TERMINAL_WIDTH"))
+if _piped:
+    typer.rich_utils.MAX_WIDTH = PIPE_WIDTH
+_type_of = TyperOption.display_type_rich
+
+
+def _flags_show_no_type(self: TyperOption, ctx) -> str | None:
+    # A flag takes no value: typer would show `--help <bool>` beside each one.
+    return None if self.is_flag else _type_of(self, ctx)
+
+
+TyperOption.display_type_rich = _flags_show_no_type  # type: ignore[method-assign]
 
 cli = typer.Typer(help="Exactly-once payments service.", no_args_is_help=True, add_completion=False)
 clients_cli = typer.Typer(help="Manage API clients.", no_args_is_help=True)
@@ -23,7 +46,16 @@ keys_cli = typer.Typer(help="Operate the idempotency key table.", no_args_is_hel
 cli.add_typer(keys_cli, name="keys")
 events_cli = typer.Typer(help="Events and their webhook deliveries (docs/outbox-inbox.md).", no_args_is_help=True)
 cli.add_typer(events_cli, name="events")
-console = Console()
+console = Console(width=PIPE_WIDTH if _piped else None)
+# Refusals and errors: one line each, on stderr, so a script that reads a
+# command's answer on stdout never mistakes one for it.
+errors = Console(stderr=True, width=PIPE_WIDTH if _piped else None)
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def _refuse(line: str, code: int = 2) -> typer.Exit:
+    errors.print(line, style="red", soft_wrap=True, markup=False, highlight=False)
+    return typer.Exit(code)
 
 
 def _database_url() -> str:
@@ -31,14 +63,35 @@ def _database_url() -> str:
 
     url = os.environ.get("DATABASE_URL")
     if not url:
-        console.print("[red]DATABASE_URL is not set.[/] Use `make run`, or point it at a PostgreSQL server.")
-        raise typer.Exit(2)
+        raise _refuse("DATABASE_URL is not set. Use `make run`, or point it at a PostgreSQL server.")
     try:
         asyncpg_url(url)
     except ValueError as exc:  # the message never repeats the URL (it holds a password)
-        console.print(f"DATABASE_URL is {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        raise _refuse(f"DATABASE_URL is {exc}") from None
     return url
+
+
+def _uses_database(command: F) -> F:
+    """A command that works on DATABASE_URL: a database it cannot use stops it with one line (exit 2), not a traceback.
+
+    The line names the URL without its password, and says what to do where
+    there is something to do (`payments migrate` on an unmigrated one).
+    Any other error keeps its traceback: it is a bug to report.
+    """
+
+    @functools.wraps(command)
+    def checked(*args, **kwargs) -> None:
+        from app.db.errors import database_problem
+
+        try:
+            command(*args, **kwargs)
+        except Exception as exc:
+            line = database_problem(exc, os.environ.get("DATABASE_URL", ""))
+            if line is None:
+                raise
+            raise _refuse(line) from None
+
+    return checked  # type: ignore[return-value]
 
 
 def _settings():
@@ -64,11 +117,10 @@ def _settings():
             message = error["msg"].removeprefix("Value error, ")
             # A check across settings has no one name; its message names them.
             line = f"invalid setting {name}: {message}" if name else f"invalid settings: {message}"
-            console.print(line, style="red", soft_wrap=True, markup=False, highlight=False)
+            errors.print(line, style="red", soft_wrap=True, markup=False, highlight=False)
         raise typer.Exit(2) from None
     except ValueError as exc:
-        console.print(f"invalid setting PAYMENTS_CRASH_AT: {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        raise _refuse(f"invalid setting PAYMENTS_CRASH_AT: {exc}") from None
 
 
 def _secrets_key(settings) -> str:
@@ -135,12 +187,16 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
                           f"({settings.api_metrics_host}:{settings.api_metrics_port}): {exc.strerror or exc}",
                           style="red", soft_wrap=True, markup=False, highlight=False)
             raise typer.Exit(2) from None
-    import functools
+    import logging
 
     import uvicorn
 
     from app.api.http_protocol import Bounds, BoundedHttpToolsProtocol
 
+    # Said before anything can stall, so a person sees at once that it started
+    # and where; each worker process then says whether the database answers (app/main.py).
+    logs.configure(settings.log_format, settings.log_level)
+    logging.getLogger("app.cli").info("serving %s on http://%s:%d with %d worker process(es)", factory, host, port, workers)
     bounds = Bounds(settings.body_timeout_seconds, settings.max_connections_per_peer, tuple(settings.trusted_proxies))
     # Each worker process calls the factory, so each builds its own engine
     # and HTTP client after the fork: nothing pooled is shared across processes.
@@ -171,7 +227,13 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
 
 @cli.command()
 def worker() -> None:
-    """Run the background worker: crash recovery, and reconciliation once per day."""
+    """Run the worker's four loops: crash recovery, daily reconciliation, webhooks, key table upkeep.
+
+    Recovery resumes any payment whose owner died; reconciliation settles
+    the day's indeterminate payouts against the rail's statement; the
+    dispatcher delivers webhooks; the upkeep creates the key table's
+    partitions ahead and drops the days past KEY_RETENTION_HOURS.
+    """
     # One process: its metrics live in memory and are served on a port of
     # its own (WORKER_METRICS_PORT), never in an API's directory of files.
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
@@ -187,6 +249,7 @@ def worker() -> None:
 
 
 @cli.command()
+@_uses_database
 def reconcile(
     day: str = typer.Option(None, "--date", help="The statement day (YYYY-MM-DD, UTC); default yesterday."),
 ) -> None:
@@ -222,6 +285,7 @@ def reconcile(
 
 
 @cli.command()
+@_uses_database
 def breaks() -> None:
     """List reconciliation breaks: what could not be settled safely, for a person to look at."""
     from app.admin import on_database
@@ -257,29 +321,30 @@ def crash_points_command(
 @cli.command()
 def migrate() -> None:
     """Apply database migrations (Alembic) to DATABASE_URL."""
-    from sqlalchemy.exc import DBAPIError
-
     from app.admin import MigrationRefused, migrate_database
     from app.config import redacted_url
+    from app.db.errors import database_problem
 
     url = _database_url()
     key = os.environ.get("WEBHOOK_SECRETS_KEY") or None
     try:
         created = migrate_database(url, key)
     except MigrationRefused as exc:  # it needs something from the operator first (WEBHOOK_SECRETS_KEY)
-        console.print(f"cannot migrate {redacted_url(url)}: {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
-        raise typer.Exit(2) from None
-    except (OSError, DBAPIError) as exc:
-        # The database is unreachable or refused us: say which one, without
-        # its password, and why, without a page of traceback.
-        console.print(f"cannot migrate {redacted_url(url)}: {exc}", style="red", soft_wrap=True, markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        raise _refuse(f"cannot migrate {redacted_url(url)}: {exc}") from None
+    except Exception as exc:
+        # Unreachable, not there, or refused us: say which one, without its
+        # password, and why, without a page of traceback (README.md#settings: exit 2).
+        line = database_problem(exc, url)
+        if line is None:
+            raise
+        raise _refuse(f"cannot migrate: {line}") from None
     console.print("schema is at the newest revision")
     if created:
         console.print("key table partitions created: " + ", ".join(created))
 
 
 @keys_cli.command("reap")
+@_uses_database
 def keys_reap(
     dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be created, moved and dropped; change nothing."),
 ) -> None:
@@ -315,30 +380,50 @@ def keys_reap(
 
 
 @clients_cli.command("create")
+@_uses_database
 def clients_create(
     name: str,
     webhook_url: str = typer.Option(None, "--webhook-url", help="POST this client's events here (Standard Webhooks)."),
+    allow_duplicate_name: bool = typer.Option(
+        False, "--allow-duplicate-name", help="Create it even if a client has this name (then address them by id)."),
 ) -> None:
-    """Create a client and print its API key (shown once, stored hashed), and its webhook secret."""
-    from app.admin import create_client, set_webhook
+    """Create a client and print its id and API key (shown once, stored hashed), and its webhook secret."""
+    from app.admin import NameTaken, create_client, set_webhook
     from app.outbox.egress import EgressPolicy
     from app.outbox.endpoints import InvalidWebhookUrl, checked_url
 
     url = _database_url()
+    if name.isdigit():
+        raise _refuse(f"a client's name cannot be digits only ({name!r}): the commands would read it as a client id")
     if webhook_url is not None:
         settings = _settings()
         key, policy = _secrets_key(settings), EgressPolicy.from_settings(settings)
         try:
             checked_url(webhook_url, policy)
         except InvalidWebhookUrl as exc:
-            console.print(str(exc), style="red", soft_wrap=True, markup=False, highlight=False)
-            raise typer.Exit(2) from None
-    client_id, api_key = create_client(url, name)
-    console.print(f"client {client_id} ({name}) API key: [bold]{api_key}[/]")
+            raise _refuse(str(exc)) from None
+    try:
+        client_id, api_key = create_client(url, name, unique_name=not allow_duplicate_name)
+    except NameTaken as exc:
+        raise _refuse(f"{exc}; choose another name (or --allow-duplicate-name, then address each by id)") from None
+    console.print(f"client {client_id} ({name}) API key: [bold]{api_key}[/]", soft_wrap=True)
     console.print("It is stored only as a hash: keep it now.")
     if webhook_url is not None:
-        _, secret = set_webhook(url, name, webhook_url, policy=policy, secrets_key=key)
+        _, secret = set_webhook(url, client_id, webhook_url, policy=policy, secrets_key=key)
         _print_secret(webhook_url, secret)
+
+
+def _client(client: str) -> int | str:
+    """A CLIENT argument: digits only are a client id, anything else a name."""
+    return int(client) if client.isdigit() else client
+
+
+def _refuse_unless_found(client: str, status: str, found) -> None:
+    if status == "no-client":
+        raise _refuse(f"no client {client}" if client.isdigit() else f"no client named {client!r}", 1)
+    if status == "ambiguous":
+        raise _refuse(f"{len(found)} clients are named {client!r} (ids {', '.join(map(str, found))}): "
+                      "give the id instead of the name")
 
 
 def _print_secret(webhook_url: str, secret: str | None) -> None:
@@ -349,9 +434,10 @@ def _print_secret(webhook_url: str, secret: str | None) -> None:
 
 
 @clients_cli.command("set-webhook")
+@_uses_database
 def clients_set_webhook(
-    name: str,
-    webhook_url: str,
+    client: str = typer.Argument(..., metavar="CLIENT", help="The client's id, or a name only one client has."),
+    webhook_url: str = typer.Argument(..., metavar="WEBHOOK_URL"),
     rotate_secret: bool = typer.Option(False, "--rotate-secret", help="Generate a new signing secret (shown once)."),
     overlap_hours: float = typer.Option(
         None, "--overlap-hours", min=0,
@@ -368,14 +454,11 @@ def clients_set_webhook(
     key = _secrets_key(settings)
     overlap = settings.webhook_secret_overlap_hours if overlap_hours is None else overlap_hours
     try:
-        status, secret = set_webhook(url, name, webhook_url, policy=EgressPolicy.from_settings(settings),
+        status, secret = set_webhook(url, _client(client), webhook_url, policy=EgressPolicy.from_settings(settings),
                                      secrets_key=key, rotate_secret=rotate_secret, overlap_hours=overlap)
     except InvalidWebhookUrl as exc:
-        console.print(str(exc), style="red", soft_wrap=True, markup=False, highlight=False)
-        raise typer.Exit(2) from None
-    if status == "no-client":
-        console.print(f"no client named {name!r}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1)
+        raise _refuse(str(exc)) from None
+    _refuse_unless_found(client, status, secret)
     _print_secret(webhook_url, secret)
     if secret is None:
         console.print("the signing secret is unchanged")
@@ -384,16 +467,17 @@ def clients_set_webhook(
 
 
 @clients_cli.command("remove-webhook")
-def clients_remove_webhook(name: str) -> None:
+@_uses_database
+def clients_remove_webhook(
+    client: str = typer.Argument(..., metavar="CLIENT", help="The client's id, or a name only one client has."),
+) -> None:
     """Remove the client's webhook endpoint; its pending deliveries are cancelled (events stay in GET /v1/events)."""
     from app.admin import remove_webhook
 
-    status, cancelled = remove_webhook(_database_url(), name)
-    if status == "no-client":
-        console.print(f"no client named {name!r}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1)
+    status, cancelled = remove_webhook(_database_url(), _client(client))
+    _refuse_unless_found(client, status, cancelled)
     if cancelled is None:
-        console.print(f"client {name!r} has no webhook endpoint", markup=False, highlight=False)
+        console.print(f"client {client!r} has no webhook endpoint", markup=False, highlight=False)
         return
     console.print(f"webhook endpoint removed; {cancelled} pending deliveries cancelled", markup=False, highlight=False)
 
@@ -418,6 +502,7 @@ def clients_reseal_webhook_secrets() -> None:
 
 
 @events_cli.command("redeliver")
+@_uses_database
 def events_redeliver(event_id: str) -> None:
     """Deliver an event's webhook again, with a fresh retry schedule (a dead one, or any finished one)."""
     import uuid
@@ -444,6 +529,7 @@ def events_redeliver(event_id: str) -> None:
 
 
 @events_cli.command("list")
+@_uses_database
 def events_list(
     state: str = typer.Option(None, "--state", help="pending, delivered, dead or cancelled (default: all)."),
     limit: int = typer.Option(20, "--limit", min=1, max=1000),
@@ -470,6 +556,7 @@ def events_list(
 
 
 @events_cli.command("attempts")
+@_uses_database
 def events_attempts(event_id: str) -> None:
     """Every delivery attempt of one event: when, where, status, latency, error class."""
     import uuid

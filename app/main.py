@@ -3,6 +3,9 @@ rail clients once per process, and hands them to the routes."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
 from contextlib import asynccontextmanager, nullcontext
 
 from fastapi import FastAPI
@@ -14,14 +17,20 @@ from app.api.body_limit import BodyLimit
 from app.api.in_flight import InFlight, TrackInFlight
 from app.api.metrics import RequestMetrics
 from app.api.rail_notifications import router as rail_router
-from app.api.routes import router
+from app.api.routes import payment_examples, router
 from app.console import routes as console
-from app.config import Settings
+from app.config import Settings, redacted_url
+from app.db.errors import database_problem
 from app.fastpath import replay_shortcut
 from app.fastpath.lookup_pool import LookupPool
 from app.observability import metrics
 from app.problems import CATALOGUE
-from app.services import open_services
+from app.services import Services, database_answers, open_services
+
+log = logging.getLogger(__name__)
+# How long the start-up probe waits for the database before it says it does
+# not answer (the API serves meanwhile, and /healthz says 503 until it does).
+STARTUP_PROBE_SECONDS = 5
 
 DESCRIPTION = """
 A payments API that moves money **exactly once**, however often a request is
@@ -59,9 +68,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         async with open_services(settings) as services, lookups or nullcontext():
             app.state.services = services
+            log.info("API process %d started", os.getpid())
+            # Said in the background: serving does not wait for it.
+            probe = asyncio.create_task(_say_whether_the_database_answers(services))
             try:
                 yield
             finally:
+                probe.cancel()
                 # uvicorn has just cancelled the requests still running after
                 # SHUTDOWN_GRACE_SECONDS; let each give its lease back before
                 # the engine is disposed (app/api/in_flight.py).
@@ -105,6 +118,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
+async def _say_whether_the_database_answers(services: Services) -> None:
+    """One line at start-up: the database answers, or why not (the first thing a new user needs to know)."""
+    url = services.settings.database_url
+    try:
+        await asyncio.wait_for(database_answers(services), STARTUP_PROBE_SECONDS)
+    except TimeoutError:
+        log.warning("the database at %s does not answer within %g s; /healthz answers 503 until it does",
+                    redacted_url(url), STARTUP_PROBE_SECONDS)
+    except Exception as exc:
+        problem = database_problem(exc, url) or f"the database at {redacted_url(url)} does not answer: {type(exc).__name__}"
+        log.warning("%s; /healthz answers 503 until it answers", problem)
+    else:
+        log.info("the database at %s answers", redacted_url(url))
+
+
 def _document_the_api_as_it_answers(app: FastAPI) -> None:
     """Make the OpenAPI document say what the API really does.
 
@@ -115,6 +143,9 @@ def _document_the_api_as_it_answers(app: FastAPI) -> None:
       operation with a parameter, but this API answers a malformed request
       with a 400 problem+json (`/problems/invalid-request`), and uses 422 only
       for a key reused with another body, which the operation documents.
+    - The 201's examples are real final answers (app/api/routes.py:
+      payment_examples), set here because FastAPI drops the nulls (`failure`)
+      of examples it is given; without them the UIs show `processing`.
     """
     build = app.openapi
 
@@ -126,6 +157,8 @@ def _document_the_api_as_it_answers(app: FastAPI) -> None:
                     parameter["required"] = True
                     parameter["schema"] = {"type": "string", "minLength": 1, "maxLength": 255}
                     parameter["example"] = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+            created = schema["paths"]["/v1/payments"]["post"]["responses"]["201"]["content"]["application/json"]
+            created["examples"] = payment_examples()
             for operations in schema["paths"].values():
                 for operation in operations.values():
                     responses = operation.get("responses", {})

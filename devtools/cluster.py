@@ -25,7 +25,8 @@ from rich.console import Console
 
 from devtools import nginx
 from devtools.run import (
-    STOP_HINT, demo_api_key, kept_operator_token, open_database, print_console_link, print_pay_once, supervise,
+    STOP_HINT, demo_api_key, kept_operator_token, open_database, print_console_link, print_pay_once,
+    refuse_taken_ports, supervise,
 )
 from devtools.system import System
 
@@ -44,6 +45,7 @@ def main() -> None:
         raise SystemExit(2)
     if args.replicas < 1:
         raise SystemExit("--replicas must be at least 1")
+    refuse_taken_ports({"--port": args.port, "--psp-port": args.psp_port, "--rail-port": args.rail_port})
 
     operator_token = os.environ.get("OPERATOR_TOKEN") or kept_operator_token()
     # Read at a terminal: the readable log format, unless LOG_FORMAT says otherwise.

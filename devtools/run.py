@@ -1,6 +1,8 @@
 """Development tooling, not the payment path: `make run`, the whole system on one machine.
 
-`python -m devtools.run` (what `make run` runs) starts the whole system with
+`python -m devtools.run` (what `make run` runs) first checks that every port
+it needs is free (one that is not stops it, exit 2, before anything starts or
+is printed), then starts the whole system with
 devtools/system.py: the embedded PostgreSQL unless DATABASE_URL names a
 server (its `payments` database, kept from run to run), migrations, a demo
 client whose key is kept in .data/ (with a webhook endpoint at the fake
@@ -8,7 +10,8 @@ merchant), the fake PSP, the fake rail, the fake merchant, the API and the
 worker on the ports given, then prints how to pay once and a link into the
 operator console (OPERATOR_TOKEN, generated and kept in .data/ when it is not
 set). Ctrl-C, a closed terminal (SIGHUP) or a SIGTERM stops every process it
-started and the embedded PostgreSQL if it started it.
+started and the embedded PostgreSQL if it started it; a process that exits on
+its own stops them too, and the run exits 1.
 
 Its children get the user's environment (plus where the database and the
 fakes are), so the settings of README.md#settings apply to `make run`.
@@ -23,6 +26,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -47,7 +51,39 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(option, type=int, default=os.environ.get(variable, str(default)),
                             help=f"default {default}, or {variable}")
     args = parser.parse_args(argv)
-    run(Console(), args.api_port, args.psp_port, args.rail_port, args.merchant_port)
+    console = Console()
+    ports = {"API_PORT": args.api_port, "PSP_PORT": args.psp_port, "RAIL_PORT": args.rail_port,
+             "MERCHANT_PORT": args.merchant_port,
+             "API_METRICS_PORT": int(os.environ.get("API_METRICS_PORT", "8201")),
+             "WORKER_METRICS_PORT": int(os.environ.get("WORKER_METRICS_PORT", "8200"))}
+    refuse_taken_ports(ports)
+    run(console, args.api_port, args.psp_port, args.rail_port, args.merchant_port)
+
+
+def refuse_taken_ports(ports: dict[str, int]) -> None:
+    """Exit 2 with one line if any of `ports` is in use: called before anything is started or printed,
+    so a second `make run` never prints a banner (and a curl) that would go to the first one."""
+    if taken := taken_ports(ports):
+        Console(stderr=True).print(
+            "cannot start: " + ", ".join(f"{name} {port}" for name, port in taken)
+            + " already in use (another `make run`?); stop it, or choose other ports (README.md#settings)",
+            style="red", soft_wrap=True, markup=False, highlight=False)
+        raise SystemExit(2)
+
+
+def taken_ports(ports: dict[str, int]) -> list[tuple[str, int]]:
+    """The (variable, port) pairs of `ports` that something already listens on, on 127.0.0.1 (where all of them serve)."""
+    taken = []
+    for name, port in ports.items():
+        with socket.socket() as probe:
+            # As the servers themselves bind: a port left in TIME_WAIT by the
+            # last run is free; one that something listens on is not.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                taken.append((name, port))
+    return taken
 
 
 def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant_port: int = 8103) -> None:
@@ -65,7 +101,7 @@ def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant
         # The demo client's webhooks go to the fake merchant, which is told
         # the signing secret: a learner sees a payment's webhook arrive
         # (and be applied once) without setting anything up.
-        secret = demo_webhook_secret(system, url, f"http://127.0.0.1:{merchant_port}/webhooks")
+        secret = demo_webhook_secret(system, url, api_key, f"http://127.0.0.1:{merchant_port}/webhooks")
         # The rail notifies the API of returned payouts, signed with a secret
         # both are given (this run's own, unless RAIL_NOTIFICATION_SECRET is set).
         rail_secret = os.environ.get("RAIL_NOTIFICATION_SECRET") or (
@@ -100,6 +136,7 @@ def open_database(system: System, console: Console) -> str:
 
 def supervise(system: System, console: Console, start: Callable[[], None]) -> None:
     """`start` the system, then watch it until Ctrl-C, SIGTERM, SIGHUP or a process exits; always stop it all."""
+    failed = False
     try:
         try:
             start()
@@ -111,7 +148,9 @@ def supervise(system: System, console: Console, start: Callable[[], None]) -> No
         signal.signal(signal.SIGHUP, _interrupt)
         while all(process.running for process in system.processes):
             time.sleep(0.5)
-        console.print("[red]a process exited; stopping everything[/]")
+        exited = ", ".join(process.name for process in system.processes if not process.running)
+        console.print(f"[red]{exited} exited; stopping everything[/]")
+        failed = True
     except KeyboardInterrupt:
         console.print("\nstopping")
     finally:
@@ -123,6 +162,8 @@ def supervise(system: System, console: Console, start: Callable[[], None]) -> No
         system.stop()
         if system.postgres is not None and system.postgres.started:
             console.print("embedded PostgreSQL stopped (data kept in .data/)")
+    if failed:  # not stopped by the user: a caller (or make) must see it did not run
+        raise SystemExit(1)
 
 
 def _interrupt(*_: object) -> None:
@@ -172,17 +213,22 @@ def print_console_link(console: Console, api_url: str, operator_token: str, page
     console.print(link, soft_wrap=True, highlight=False, markup=False)
 
 
-def demo_webhook_secret(system: System, url: str, webhook_url: str) -> str:
-    """Point the demo client's webhook endpoint at `webhook_url` (created the first time); its signing secret.
+def demo_webhook_secret(system: System, url: str, api_key: str, webhook_url: str) -> str:
+    """Point the webhook endpoint of the demo client (the one `api_key` is of) at `webhook_url` (created the
+    first time); its signing secret.
 
     Registered under the development egress policy (the fake merchant is on
     loopback, over http), sealed with the system's WEBHOOK_SECRETS_KEY.
     """
-    admin.set_webhook(url, "demo", webhook_url, policy=egress.development(), secrets_key=system.secrets_key)
-    endpoint = admin.webhook_endpoint(url, "demo", system.secrets_key)
+    # By id, not by name: earlier runs (a lost key file) may have left other clients named "demo".
+    client_id = admin.client_of_key(url, api_key)
+    assert client_id is not None
+    admin.set_webhook(url, client_id, webhook_url, policy=egress.development(), secrets_key=system.secrets_key)
+    endpoint = admin.webhook_endpoint(url, client_id, system.secrets_key)
     if endpoint is None or endpoint[1] is None:
         raise SystemExit("the demo client's webhook secret does not open with WEBHOOK_SECRETS_KEY "
-                         "(.data/webhook-secrets-key changed?): `payments clients set-webhook demo URL --rotate-secret`")
+                         f"(.data/webhook-secrets-key changed?): `payments clients set-webhook {client_id} URL "
+                         "--rotate-secret`")
     return endpoint[1]
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import uuid
+from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import APIRouter, Query, Response
@@ -14,12 +16,12 @@ from app.api.deps import ClientId, PaymentCallerDep, ServicesDep
 from app.api.errors import problem_response
 from app.api.schemas import EventList, EventView, KeyView, ProblemDoc
 from app.db.errors import describe
-from app.idempotency.keys import InvalidIdempotencyKey, parse_idempotency_key
+from app.idempotency.keys import InvalidIdempotencyKey, end_to_end_reference, parse_idempotency_key
 from app.machine.engine import Finished
 from app.observability import metrics
 from app.outbox import events
 from app.payments import lookups, submission
-from app.payments.models import PaymentRequest, PaymentView
+from app.payments.models import Payment, PaymentRequest, PaymentView, fee_for
 from app.services import database_answers
 from app.problems import CATALOGUE, NOT_FOUND, SERVICE_UNAVAILABLE, ProblemError
 
@@ -41,6 +43,34 @@ def _example(slug: str) -> dict[str, Any]:
     return {"type": p.uri, "title": p.title, "status": p.status, "detail": p.description}
 
 
+def payment_examples() -> dict[str, dict[str, Any]]:
+    """The bodies of a 201, one per final status, made the way the API makes them (PaymentView.of a payment row).
+
+    Without them ReDoc and Swagger UI make up a sample from the schema, whose
+    first status is `processing`: the one a 201 never carries.
+    """
+    at = datetime(2026, 1, 15, 9, 30, tzinfo=timezone.utc)
+    fee = fee_for(1250)
+    succeeded = Payment(
+        id=uuid.UUID("0f8fad5b-d9cb-469f-a165-70867728950e"), client_id=1, reference="order-1001",
+        amount_minor=1250, currency="EUR", fee_minor=fee, net_minor=1250 - fee, card_token="tok_visa",
+        beneficiary_name="Ada Lovelace", beneficiary_iban="DE89370400440532013000", status="succeeded",
+        end_to_end_reference=end_to_end_reference(1, "8e03978e-40d5-43e8-bc93-6894a57f9324"), psp_charge_key=None, psp_charge_id=None,
+        decline_code=None, rail_transfer_key=None, rail_transfer_id=None, reject_reason=None, psp_refund_key=None,
+        psp_refund_id=None, created_at=at, updated_at=at, payout_instructed_at=at,
+    )
+    rows = {
+        "succeeded": ("Charged, and paid out to the beneficiary", succeeded),
+        "declined": ("The card was declined: nothing charged, nothing paid out",
+                     dataclasses.replace(succeeded, status="declined", decline_code="card_declined",
+                                         end_to_end_reference=None, payout_instructed_at=None)),
+        "failed": ("The payout was rejected: the charge refunded in full",
+                   dataclasses.replace(succeeded, status="failed", reject_reason="AC04")),
+    }
+    return {status: {"summary": summary, "value": json.loads(PaymentView.of(row).body())}
+            for status, (summary, row) in rows.items()}
+
+
 @router.post(
     "/v1/payments",
     status_code=201,
@@ -53,6 +83,8 @@ def _example(slug: str) -> dict[str, Any]:
         "with `Idempotent-Replayed: true`; one still in flight answers 409 with `Retry-After`."
     ),
     responses={
+        # Its examples (one per final status) are set in app/main.py, after
+        # FastAPI, which would drop their nulls, has built the document.
         201: {"description": "Final outcome: `status` is succeeded, declined or failed (refunded)."},
         202: {
             "model": PaymentView,

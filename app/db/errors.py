@@ -6,7 +6,10 @@ shortcut (a 503 `service-unavailable`, never a 500), `/healthz`, and the
 worker's loops (back off and carry on, never exit). An outage goes away by
 itself and the caller should try again; a bad statement fails the same way
 every time and must stay loud. docs/crash-matrix.md#telling-an-outage-from-a-bug
-lists the exception types an outage raises, found by experiment.
+lists the exception types an outage raises, found by experiment. The
+`payments` commands and the API's start-up ask `database_problem` why a
+database cannot be used at all (down, not there, not migrated), to say so in
+one line.
 """
 
 from __future__ import annotations
@@ -133,3 +136,39 @@ def _details(exc: BaseException | None, seen: set[int] | None = None) -> set[str
         if isinstance(linked, BaseException):
             found |= _details(linked, seen)
     return found
+
+
+# PostgreSQL's SQLSTATEs for what a first hour meets: a database that is
+# not there, a login refused, a schema that is not (or not wholly) migrated.
+_NO_DATABASE = "3D000"
+_LOGIN_REFUSED = ("28000", "28P01")
+_NOT_MIGRATED = ("42P01", "42703", "42883", "42704")  # undefined table, column, function, type
+
+
+def database_problem(exc: BaseException, url: str) -> str | None:
+    """One line saying why `url`'s database could not be used, naming it without its password; None if `exc` is
+    not such a problem (a bug, or an error of something else, which keeps its traceback).
+
+    Looks through the chain of causes, where SQLAlchemy keeps the driver's
+    error: a connection that failed (OSError, a timeout), or PostgreSQL's
+    refusal by its SQLSTATE.
+    """
+    from app.config import redacted_url
+
+    where = redacted_url(url)
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        state = getattr(current, "sqlstate", None)
+        if state == _NO_DATABASE:
+            return f"the database at {where} does not exist: create it, or fix DATABASE_URL"
+        if state in _LOGIN_REFUSED:
+            return f"the database at {where} refused the login: check DATABASE_URL's user and password"
+        if state in _NOT_MIGRATED:
+            return f"the database at {where} is not migrated: run `payments migrate`"
+        if isinstance(current, OSError):  # refused, unresolvable host, timed out (TimeoutError is an OSError)
+            reason = current.strerror or str(current) or type(current).__name__
+            return f"cannot reach the database at {where}: {reason}"
+        current = current.__cause__ or getattr(current, "orig", None)
+    return None
