@@ -102,6 +102,18 @@ async def _client_id(conn, client: int | str) -> int | list[int] | None:
     return None if not ids else ids[0] if len(ids) == 1 else ids
 
 
+async def _for_client(
+    conn, client: int | str, done: str, action: Callable[[int], Awaitable[Any]]
+) -> tuple[str, Any]:
+    """(`done`, what `action(client_id)` returned); or ("no-client", None), or ("ambiguous", the ids), changing nothing."""
+    client_id = await _client_id(conn, client)
+    if client_id is None:
+        return "no-client", None
+    if isinstance(client_id, list):
+        return "ambiguous", client_id
+    return done, await action(client_id)
+
+
 def client_of_key(url: str, api_key: str) -> int | None:
     """The id of the client that `api_key` authenticates, or None."""
     return on_database(url, lambda engine: read(engine, client_accounts.authenticate, api_key))
@@ -123,13 +135,8 @@ def set_webhook(
     key = SecretsKey(secrets_key)
 
     async def work(conn) -> tuple[str, Any]:
-        client_id = await _client_id(conn, client)
-        if client_id is None:
-            return "no-client", None
-        if isinstance(client_id, list):
-            return "ambiguous", client_id
-        return "set", await endpoints.set_endpoint(conn, client_id, webhook_url, key, rotate_secret=rotate_secret,
-                                                   overlap_seconds=overlap_hours * 3600)
+        return await _for_client(conn, client, "set", lambda client_id: endpoints.set_endpoint(
+            conn, client_id, webhook_url, key, rotate_secret=rotate_secret, overlap_seconds=overlap_hours * 3600))
 
     return on_database(url, lambda engine: atomic(engine, work))
 
@@ -143,12 +150,7 @@ def remove_webhook(url: str, client: int | str) -> tuple[str, Any]:
     """
 
     async def work(conn) -> tuple[str, Any]:
-        client_id = await _client_id(conn, client)
-        if client_id is None:
-            return "no-client", None
-        if isinstance(client_id, list):
-            return "ambiguous", client_id
-        return "removed", await endpoints.remove_endpoint(conn, client_id)
+        return await _for_client(conn, client, "removed", lambda client_id: endpoints.remove_endpoint(conn, client_id))
 
     return on_database(url, lambda engine: atomic(engine, work))
 
