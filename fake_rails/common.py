@@ -24,12 +24,13 @@ import asyncio
 import hashlib
 import json
 import os
+import re
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import asyncpg
 import typer
@@ -270,11 +271,32 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+# --- Days ---------------------------------------------------------------------
+
+
+def parse_day(day: str) -> date:
+    """A `YYYY-MM-DD` path or body value, else a 400 problem."""
+    # fromisoformat alone would also take "20250102" and week dates.
+    try:
+        if re.fullmatch(r"\d{4}-\d{2}-\d{2}", day):
+            return date.fromisoformat(day)
+    except ValueError:
+        pass
+    raise Problem(400, "invalid-date", "Invalid date", f"{day!r} is not a YYYY-MM-DD date")
+
+
+class CloseDayRequest(BaseModel):
+    """`POST /_admin/close-day`: `{"date": "YYYY-MM-DD"}` (or `"day"`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    day: str = Field(alias="date")
+
+
 # --- Fault plan ---------------------------------------------------------------
 
 Action = Literal[
     "delay", "error_before", "error_after", "hang_after", "decline", "reject", "rate_limit",
-    "duplicate",
+    "duplicate", "pending", "allow_over_refund",
 ]
 # `notification` is the one operation a fake makes rather than answers: the
 # rail's notifier POSTing a return to the payment service. There `delay`
@@ -283,8 +305,16 @@ Action = Literal[
 Operation = Literal["charge", "refund", "transfer", "webhook", "notification"]
 
 # A business outcome only exists for one operation.
-ONLY_FOR: dict[str, str] = {"decline": "charge", "reject": "transfer", "duplicate": "notification"}
-DEFAULT_SECONDS = {"delay": 2.0, "hang_after": 3600.0}
+ONLY_FOR: dict[str, str] = {
+    "decline": "charge", "reject": "transfer", "duplicate": "notification",
+    "pending": "refund", "allow_over_refund": "refund",
+}
+# Taken apart from the one fault a request meets (see FaultPlan.take): a
+# switch on a business check, which must not use up, or be hidden by, the
+# transport or business fault of the same request.
+SEPARATE_ACTIONS = frozenset({"allow_over_refund"})
+REQUEST_ACTIONS = frozenset(get_args(Action)) - SEPARATE_ACTIONS
+DEFAULT_SECONDS = {"delay": 2.0, "hang_after": 3600.0, "pending": 2.0}
 DEFAULT_STATUS = {"error_before": 503, "error_after": 500}
 
 
@@ -298,12 +328,18 @@ class Fault(BaseModel):
     times: int | None = Field(default=1, ge=1)
     seconds: float | None = Field(default=None, ge=0)
     status: int | None = Field(default=None, ge=400, le=599)
+    # `pending` only: the final status the refund settles to, `seconds` later.
+    settles_as: Literal["succeeded", "failed"] | None = None
 
     @model_validator(mode="after")
     def _defaults(self) -> Fault:
         only = ONLY_FOR.get(self.action)
         if only and self.operation not in (None, only):
             raise ValueError(f"{self.action} applies to {only} only")
+        if self.action == "pending":
+            self.settles_as = self.settles_as or "succeeded"
+        elif self.settles_as is not None:
+            raise ValueError("settles_as applies to pending only")
         if self.seconds is None:
             self.seconds = DEFAULT_SECONDS.get(self.action)
         if self.status is None:
@@ -391,7 +427,9 @@ async def idempotent_post(
     """The shape of every POST: key check, fault, `handle`, fault, answer.
 
     `handle` runs in one transaction and applies the business faults
-    (decline, reject) itself; the transport faults are applied here.
+    (decline, reject, pending) itself; the transport faults are applied here.
+    The separate actions (allow_over_refund) are not taken here: a handler
+    takes them itself, so they coexist with this request's one fault.
 
     With `honour_key=False` (a legacy rail) the `Idempotency-Key` is optional
     and ignored: `handle` gets an Attempt whose `key` is None and whose
@@ -406,7 +444,8 @@ async def idempotent_post(
         )
 
     plan: FaultPlan = request.app.state.faults
-    fault = await plan.take(operation, getattr(body, "reference", None))
+    # One fault per request; the separate ones are the handler's to take.
+    fault = await plan.take(operation, getattr(body, "reference", None), actions=REQUEST_ACTIONS)
     action = fault.action if fault else None
     if action == "delay":
         await asyncio.sleep(fault.seconds)

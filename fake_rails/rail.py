@@ -39,6 +39,7 @@ from fake_rails.common import (
     DATABASE_URL_HELP,
     RECORD_COLUMNS,
     Attempt,
+    CloseDayRequest,
     Outcome,
     Problem,
     base_app,
@@ -48,6 +49,7 @@ from fake_rails.common import (
     list_items,
     new_id,
     not_found,
+    parse_day,
     serve_app,
     utcnow,
 )
@@ -121,11 +123,6 @@ class TransferRequest(BaseModel):
     reference: str
 
 
-class CloseDayRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-    day: str = Field(alias="date")
-
-
 def booking_date_for(
     accepted_at: datetime, closed_days: Collection[date], cutoff: time | None
 ) -> date:
@@ -145,16 +142,6 @@ def booking_date_for(
     while day in closed_days:
         day += timedelta(days=1)
     return day
-
-
-def parse_day(day: str) -> date:
-    # fromisoformat alone would also take "20250102" and week dates.
-    try:
-        if re.fullmatch(r"\d{4}-\d{2}-\d{2}", day):
-            return date.fromisoformat(day)
-    except ValueError:
-        pass
-    raise Problem(400, "invalid-date", "Invalid date", f"{day!r} is not a YYYY-MM-DD date")
 
 
 def parse_cutoff(value: str) -> time | None:

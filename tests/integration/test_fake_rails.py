@@ -79,15 +79,15 @@ async def db(rails_db_url: str, psp, rail):  # the apps create the tables
 @pytest.fixture(autouse=True)
 async def clean(db, psp, rail):
     await db.execute(
-        "TRUNCATE fake_psp.charge, fake_psp.refund, fake_psp.request, fake_rail.transfer, "
-        "fake_rail.closed_day, fake_rail.request"
+        "TRUNCATE fake_psp.charge, fake_psp.refund, fake_psp.request, fake_psp.closed_day, "
+        "fake_rail.transfer, fake_rail.closed_day, fake_rail.request"
     )
     await psp.delete("/_admin/faults")
     await rail.delete("/_admin/faults")
     yield
     # A closed today would move the bookings of every later test, in this
     # session's other rails too (they share the database).
-    await db.execute("TRUNCATE fake_rail.closed_day")
+    await db.execute("TRUNCATE fake_rail.closed_day, fake_psp.closed_day")
 
 
 def charge_body(reference: str = "order-1", **overrides) -> dict:
@@ -473,6 +473,207 @@ async def test_concurrent_refunds_with_different_keys_cannot_overdraw_a_charge(p
 
     assert sorted(r.status_code for r in responses) == [201] * 3 + [409] * 7
     assert await db.fetchval("SELECT sum(amount) FROM fake_psp.refund") == 90
+
+
+# --- Pending refunds, over-refunds, the settlement report ---------------------
+
+# Long enough never to come due during a test: only the admin endpoint settles it.
+LATER = 3600
+
+
+async def probe_refund(psp, key: str) -> dict:
+    response = await psp.get("/v1/refunds", params={"idempotency_key": key})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def test_a_pending_refund_is_answered_pending_until_settled_then_final_everywhere(psp, db):
+    ch = await charge(psp, amount=100)
+    await set_faults(psp, {"action": "pending", "seconds": LATER})
+
+    created = await refund(psp, ch["id"], 40, "k1")
+    before = await probe_refund(psp, "k1")
+    settled = await psp.post(f"/_admin/refunds/{created.json()['id']}/settle", json={"status": "succeeded"})
+    after = await probe_refund(psp, "k1")
+    replay = await refund(psp, ch["id"], 40, "k1")
+    again = await psp.post(f"/_admin/refunds/{created.json()['id']}/settle", json={"status": "failed"})
+    unknown = await psp.post("/_admin/refunds/re_nope/settle", json={"status": "succeeded"})
+
+    assert created.status_code == 201
+    assert created.json()["status"] == before["status"] == "pending"
+    assert before["settled_at"] is None
+    assert settled.status_code == 200 and settled.json()["status"] == "succeeded"
+    assert after["status"] == "succeeded" and after["settled_at"] is not None
+    # The stored answer was updated in place: a replay shows the refund as it is now.
+    assert replay.headers["Idempotent-Replayed"] == "true" and replay.json() == after
+    assert list(after) == list(created.json())
+    assert again.status_code == 409 and again.json()["type"].endswith("/refund-not-pending")
+    assert unknown.status_code == 404
+    (row,) = await rows(db, "fake_psp.refund")
+    assert (row["status"], row["failure_code"]) == ("succeeded", None)
+
+
+async def test_a_pending_refund_counts_against_the_charge_until_it_fails(psp, db):
+    ch = await charge(psp, amount=100)
+    await set_faults(psp, {"action": "pending", "seconds": LATER})
+    pending = (await refund(psp, ch["id"], 100, "k1")).json()
+
+    while_pending = await refund(psp, ch["id"], 1, "k2")
+    await psp.post(f"/_admin/refunds/{pending['id']}/settle", json={"status": "failed"})
+    after_failure = await refund(psp, ch["id"], 100, "k3")
+
+    assert while_pending.status_code == 409
+    assert after_failure.status_code == 201 and after_failure.json()["status"] == "succeeded"
+    assert [(r["idempotency_key"], r["status"]) for r in await rows(db, "fake_psp.refund")] == [
+        ("k1", "failed"), ("k3", "succeeded"),
+    ]
+
+
+@pytest.mark.parametrize("settles_as", ["succeeded", "failed"])
+async def test_a_pending_refund_due_now_settles_as_planned_at_the_first_read(psp, db, settles_as):
+    ch = await charge(psp, amount=100)
+    await set_faults(psp, {"action": "pending", "seconds": 0, "settles_as": settles_as})
+
+    created = await refund(psp, ch["id"], 100, "k1")
+    (stored,) = await rows(db, "fake_psp.refund")  # no read of the PSP yet
+    probed = await probe_refund(psp, "k1")
+    (row,) = await rows(db, "fake_psp.refund")
+    # Only a failed refund gives the charge's amount back.
+    full_again = await refund(psp, ch["id"], 100, "k2")
+
+    assert created.json()["status"] == stored["status"] == "pending"
+    assert probed["status"] == row["status"] == settles_as
+    expected_code = "expired_or_canceled_card" if settles_as == "failed" else None
+    assert probed["failure_code"] == row["failure_code"] == expected_code
+    # Settled as of when it was due, not of when it was read.
+    assert row["settled_at"] == row["settles_at"] == row["created_at"]
+    assert full_again.status_code == (201 if settles_as == "failed" else 409)
+
+
+async def test_allow_over_refund_records_a_refund_the_balance_would_refuse_and_flags_it(psp, db):
+    ch = await charge(psp, amount=100)
+    await refund(psp, ch["id"], 60, "k1")
+
+    guarded = await refund(psp, ch["id"], 50, "k2")
+    stored_guarded = await rows(db, "fake_psp.refund")
+    await set_faults(psp, {"action": "allow_over_refund", "times": None})
+    over = await refund(psp, ch["id"], 50, "k3")
+    within = await refund(psp, ch["id"], 1, "k4")  # nothing left: an over-refund too
+    ch2 = await charge(psp, "charge-2", amount=100)
+    fits = await refund(psp, ch2["id"], 100, "k5")
+    listed = (await psp.get("/_admin/refunds")).json()["items"]
+
+    assert guarded.status_code == 409 and guarded.json()["type"].endswith("/refund-exceeds-charge")
+    assert [r["idempotency_key"] for r in stored_guarded] == ["k1"]
+    assert over.status_code == within.status_code == fits.status_code == 201
+    assert "over_refund" not in over.json()  # the caller's answer stays the documented one
+    assert [(i["idempotency_key"], i["over_refund"]) for i in listed] == [
+        ("k1", False), ("k3", True), ("k4", True), ("k5", False),
+    ]
+
+
+async def test_allow_over_refund_leaves_the_requests_own_fault_in_effect(psp, db):
+    ch = await charge(psp, amount=100)
+    await refund(psp, ch["id"], 100, "k1")
+    await set_faults(
+        psp,
+        {"action": "allow_over_refund", "times": None},
+        {"action": "error_after", "operation": "refund"},
+        {"action": "pending", "seconds": LATER},
+    )
+
+    lost = await refund(psp, ch["id"], 30, "k2")
+    pending = await refund(psp, ch["id"], 30, "k3")
+
+    assert lost.status_code == 500  # recorded, answer lost
+    assert pending.status_code == 201 and pending.json()["status"] == "pending"
+    assert [(r["idempotency_key"], r["status"], r["over_refund"]) for r in await rows(db, "fake_psp.refund")] == [
+        ("k1", "succeeded", False), ("k2", "succeeded", True), ("k3", "pending", True),
+    ]
+
+
+async def test_the_settlement_report_lists_the_days_final_refunds_and_becomes_final_on_close(psp):
+    ch = await charge(psp, amount=1000)
+    await refund(psp, ch["id"], 100, "k-now")
+    await set_faults(psp, {"action": "pending", "seconds": LATER, "times": 2})
+    to_fail = (await refund(psp, ch["id"], 200, "k-fail")).json()
+    still_pending = (await refund(psp, ch["id"], 300, "k-pending")).json()
+    await psp.post(f"/_admin/refunds/{to_fail['id']}/settle", json={"status": "failed"})
+    today = utc_today()
+
+    report = (await psp.get(f"/v1/settlements/{today}")).json()
+    closed = await psp.post("/_admin/close-day", json={"date": today.isoformat()})
+    final = (await psp.get(f"/v1/settlements/{today}")).json()
+    # Settled after the close: on the next open day's report, never on a final one.
+    await psp.post(f"/_admin/refunds/{still_pending['id']}/settle", json={"status": "succeeded"})
+    after = (await psp.get(f"/v1/settlements/{today}")).json()
+    tomorrow = (await psp.get(f"/v1/settlements/{today + timedelta(days=1)}")).json()
+    yesterday = (await psp.get(f"/v1/settlements/{today - timedelta(days=1)}")).json()
+
+    assert report["date"] == today.isoformat() and report["final"] is False
+    assert [
+        (r["idempotency_key"], r["charge_id"], r["amount"], r["currency"], r["status"], r["failure_code"])
+        for r in report["refunds"]
+    ] == [
+        ("k-now", ch["id"], 100, "EUR", "succeeded", None),
+        ("k-fail", ch["id"], 200, "EUR", "failed", "expired_or_canceled_card"),
+    ]
+    assert all(r["refund_id"].startswith("re_") and r["settled_at"] for r in report["refunds"])
+    assert closed.status_code == 200
+    assert final == report | {"final": True} == after
+    assert [r["idempotency_key"] for r in tomorrow["refunds"]] == ["k-pending"]
+    assert tomorrow["final"] is False
+    assert yesterday == {"date": yesterday["date"], "final": True, "refunds": []}
+
+
+async def test_closing_a_day_first_settles_what_was_due_on_it(psp, db):
+    ch = await charge(psp, amount=100)
+    await set_faults(psp, {"action": "pending", "seconds": 0})
+    await refund(psp, ch["id"], 100, "k1")  # due at once, never read
+
+    await psp.post("/_admin/close-day", json={"date": utc_today().isoformat()})
+    report = (await psp.get(f"/v1/settlements/{utc_today()}")).json()
+
+    assert [(r["idempotency_key"], r["status"]) for r in report["refunds"]] == [("k1", "succeeded")]
+    assert report["final"] is True
+
+
+@pytest.mark.parametrize("day", ["2025-13-01", "20250101", "yesterday"])
+async def test_a_settlement_report_for_a_malformed_date_is_a_400(psp, day):
+    response = await psp.get(f"/v1/settlements/{day}")
+    assert response.status_code == 400 and response.headers["content-type"] == PROBLEM
+
+
+async def test_the_refund_faults_are_refused_elsewhere_and_show_their_defaults(psp):
+    async def put(fault: dict) -> int:
+        return (await psp.put("/_admin/faults", json={"faults": [fault]})).status_code
+
+    assert await put({"action": "pending", "operation": "charge"}) == 400
+    assert await put({"action": "allow_over_refund", "operation": "charge"}) == 400
+    assert await put({"action": "delay", "settles_as": "failed"}) == 400
+    assert await put({"action": "pending", "settles_as": "maybe"}) == 400
+    await set_faults(psp, {"action": "pending"})
+    (fault,) = (await psp.get("/_admin/faults")).json()["faults"]
+    assert (fault["seconds"], fault["settles_as"]) == (2.0, "succeeded")
+
+
+async def test_an_older_refund_table_gains_the_new_columns_at_start(rails_db_url, psp, db):
+    ch = await charge(psp, amount=100)
+    await refund(psp, ch["id"], 100, "k1")
+    await db.execute(
+        "ALTER TABLE fake_psp.refund DROP COLUMN failure_code, DROP COLUMN settles_at, "
+        "DROP COLUMN settles_as, DROP COLUMN settled_at, DROP COLUMN settlement_date, DROP COLUMN over_refund"
+    )
+
+    app = psp_module.create_app(rails_db_url)
+    async with app.router.lifespan_context(app):
+        pass
+    report = (await psp.get(f"/v1/settlements/{utc_today()}")).json()
+
+    # Recorded before the report existed, final at creation: on its day's report.
+    assert [r["idempotency_key"] for r in report["refunds"]] == ["k1"]
+    (row,) = await rows(db, "fake_psp.refund")
+    assert row["over_refund"] is False and row["settled_at"] == row["created_at"]
 
 
 # --- Request log --------------------------------------------------------------
