@@ -49,7 +49,7 @@ PAYMENT: Machine[Payment] = Machine(
         ),
         EXT3_SENT: Call(
             "EXT3", "refund the charge at the PSP with K3 (the rail rejected the payout)",
-            send=lambda s, p: s.psp.refund(p.psp_refund_key, p),
+            send=lambda s, p: s.psp.refund(p.psp_refund_key, p, amount=p.amount_minor),
             probe=lambda s, p: s.psp.find_refund(p.psp_refund_key),
             record=phases.record_refund, leads_to=(FINISHED,),
         ),

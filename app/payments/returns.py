@@ -351,7 +351,7 @@ RETURN_REFUND: Machine[Payment] = Machine(
     calls={
         EXT4_SENT: Call(
             "EXT4", "refund the returned payment's charge at the PSP with K4",
-            send=lambda s, p: s.psp.refund(p.psp_refund_key, p),
+            send=lambda s, p: s.psp.refund(p.psp_refund_key, p, amount=p.amount_minor),
             probe=lambda s, p: s.psp.find_refund(p.psp_refund_key),
             record=record_return_refund, leads_to=(FINISHED,),
         ),

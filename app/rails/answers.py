@@ -8,13 +8,25 @@ that into Unknown. This is the allow-list that keeps a surprise from being
 read as a decline or a rejection: a status we do not know might mean the
 money moved, so it can never free a reference or trigger a refund.
 
+A status the system documents as not final yet (a client refund's
+"pending") is not an answer either: it fails to parse like any other, and
+the model names it in `settling`, so that the client reads it as Settling
+(held, decided later) rather than Unknown.
+
+    Charge        PSP charge            succeeded | declined
+    Refund        PSP refund, ours      succeeded              (a compensation)
+    ClientRefund  PSP refund, a client  succeeded | failed     pending: Settling
+    Transfer      rail transfer         accepted | rejected
+    Statement, SettlementReport         the rail's and the PSP's daily reports
+
 Fields we do not use are ignored; fields we store are bounded, since they
 come from outside.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from datetime import date, datetime
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,6 +40,10 @@ class Answer(BaseModel):
     # None only where reconciliation concluded a payout is absent.
     id: str | None = Field(default=None, max_length=100)
 
+    # Documented statuses that are not final yet, each with the reason a
+    # Settling outcome gives: held by the system, decided later.
+    settling: ClassVar[dict[str, str]] = {}
+
 
 class Charge(Answer):
     """The PSP's charge: final once succeeded (money captured) or declined (nothing captured)."""
@@ -40,6 +56,21 @@ class Refund(Answer):
     """The PSP's refund: the only final status it documents is succeeded."""
 
     status: Literal["succeeded"]
+
+
+class ClientRefund(Answer):
+    """The PSP's refund of a client's payment (several per charge, partial or full).
+
+    Final once succeeded (the money goes back to the card) or failed (it does
+    not, and the amount is the charge's to refund again). A refund the PSP
+    holds as `pending` is neither: it does not parse, and reads as Settling.
+    """
+
+    status: Literal["succeeded", "failed"]
+    failure_code: str | None = _Short
+    amount: int = Field(gt=0)
+
+    settling: ClassVar[dict[str, str]] = {"pending": "refund pending"}
 
 
 class Transfer(Answer):
@@ -118,3 +149,32 @@ class Statement(BaseModel):
     # ReturnLine by reconciliation, one by one: a line with a reason we do
     # not know is refused alone, not the whole statement with it.
     returns: list[dict[str, Any]] = []
+
+
+class SettledRefund(BaseModel):
+    """One line of the PSP's settlement report: a refund that became final that day."""
+
+    # strict: an amount is a JSON number, never "40", and `final` a boolean,
+    # never "yes"; a report that bends its types is refused, not read.
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    refund_id: str = Field(min_length=1, max_length=100)
+    idempotency_key: str = Field(min_length=1, max_length=200)
+    charge_id: str = Field(min_length=1, max_length=100)
+    amount: int = Field(gt=0)
+    currency: str = Field(min_length=3, max_length=3)
+    # Only final refunds are reported; a line with any other status (a
+    # pending one) refuses the whole report rather than being guessed at.
+    status: Literal["succeeded", "failed"]
+    failure_code: str | None = _Short
+    settled_at: datetime
+
+
+class SettlementReport(BaseModel):
+    """The PSP's refunds settled on one UTC day: `final` once the day is closed and can no longer change."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    date: date
+    final: bool
+    refunds: list[SettledRefund]

@@ -1,4 +1,4 @@
-"""The PSP and rail clients: External1, External2 and the compensating refund.
+"""The PSP and rail clients: External1, External2, the compensating refund, and clients' refunds.
 
 They run between phases, with no transaction and no pooled database connection
 held (the engine calls them outside `app.db.transaction`). Every POST carries
@@ -9,14 +9,19 @@ Every exchange ends as one of the outcomes of app/rails/outcomes.py, decided
 here and only here, by an allow-list:
 
     2xx whose body parses as a documented answer   Applied
+    2xx with a documented not-final status, an id  Settling (a client refund's "pending")
     2xx with anything else in it                   Unknown (never a decline)
     connection refused: nothing was sent           NotApplied
     429, or a 400/404/409 refusal                  NotApplied (documented as storing nothing)
     timeout, reset, not HTTP, 5xx, anything else   Unknown
   probes:
     200 with a documented answer                   Applied
+    200 with a documented not-final status, an id  Settling
     404 with the documented not-found problem      NotFound
     anything else                                  Unknown
+  daily reports (the rail's statement, the PSP's settlement report):
+    200 with a body that parses                    the parsed report
+    anything else                                  Unknown (statement), ReportUnavailable (settlement report)
 """
 
 from __future__ import annotations
@@ -33,8 +38,17 @@ import httpx
 from pydantic import ValidationError
 
 from app.observability import metrics
-from app.rails.answers import Answer, Charge, Refund, Statement, Transfer
-from app.rails.outcomes import Applied, CallOutcome, NotApplied, NotFound, ProbeOutcome, Unknown, outcome_class
+from app.rails.answers import Answer, Charge, ClientRefund, Refund, SettlementReport, Statement, Transfer
+from app.rails.outcomes import (
+    Applied,
+    CallOutcome,
+    NotApplied,
+    NotFound,
+    ProbeOutcome,
+    Settling,
+    Unknown,
+    outcome_class,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +72,25 @@ class Payment(Protocol):
     end_to_end_reference: str | None
     beneficiary_iban: str
     beneficiary_name: str
+
+
+class RefundRequest(Protocol):
+    """What the PSP client reads of a client's refund: any object with these fields.
+
+    `amount_minor` is this refund's amount, which may be part of the charge;
+    `reference` is the refund's own, the one its answers and reports carry.
+    """
+
+    psp_charge_id: str
+    amount_minor: int
+    reference: str
+
+
+class ReportUnavailable(Exception):
+    """The PSP gave no usable settlement report: unreachable, not a 200, or a body that does not parse.
+
+    Nothing is known about the day then; the caller asks again later.
+    """
 
 # Refusals both fakes document as "nothing was recorded" (docs/reference/fake-rails.md):
 # rate limited, an invalid request, a refund of an unknown charge, a refund
@@ -144,12 +177,15 @@ class ExternalService:
             return NotFound()
         return Unknown(f"{self.name}: probe answered HTTP {response.status_code}")
 
-    def _answer(self, response: httpx.Response, answer: type[A]) -> Applied | Unknown:
-        """Applied only if the body is a documented answer with an id (app/rails/answers.py)."""
+    def _answer(self, response: httpx.Response, answer: type[A]) -> Applied | Settling | Unknown:
+        """Applied only if the body is a documented answer with an id (app/rails/answers.py);
+        Settling if it is a record with an id in one of the answer's documented not-final statuses."""
         try:
             record = answer.model_validate_json(response.content)
         except ValidationError as exc:
             status = _status_field(response)
+            if status in answer.settling and _has_id(response):
+                return Settling(f"{self.name}: {answer.settling[status]}")
             if status is not None:
                 log.warning("%s answered an undocumented %s status", self.name, answer.__name__.lower())
                 return Unknown(f"{self.name}: undocumented status {status[:40]!r}")
@@ -180,7 +216,8 @@ class ExternalService:
 
 
 class PSP(ExternalService):
-    """External system 1: charges the payer's card, and refunds it if the payout fails."""
+    """External system 1: charges the payer's card, refunds it if the payout fails or a client asks,
+    and reports the refunds it settled each day."""
 
     def __init__(self, http: httpx.AsyncClient, base_url: str, timeout: float, transient_retries: int) -> None:
         super().__init__("psp", http, base_url, timeout, transient_retries)
@@ -202,16 +239,65 @@ class PSP(ExternalService):
     async def find_charge(self, key: str) -> ProbeOutcome:
         return await self._probe("/v1/charges", Charge, {"idempotency_key": key})
 
-    async def refund(self, key: str, payment: Payment) -> CallOutcome:
+    async def refund(self, key: str, payment: Payment, *, amount: int) -> CallOutcome:
+        """Refund `amount` (minor units) of the payment's charge: a compensation, read as Refund."""
         return await self._send(
             "/v1/refunds",
             key,
-            {"charge_id": payment.psp_charge_id, "amount": payment.amount_minor, "reference": payment.reference},
+            {"charge_id": payment.psp_charge_id, "amount": amount, "reference": payment.reference},
             Refund,
         )
 
     async def find_refund(self, key: str) -> ProbeOutcome:
         return await self._probe("/v1/refunds", Refund, {"idempotency_key": key})
+
+    # A client's refund is the same PSP call as our compensation, read by a
+    # wider allow-list: it may fail at the PSP (failed, its amount given
+    # back to the charge) or be held before it settles (pending: Settling,
+    # probed again, never sent again).
+
+    async def client_refund(self, key: str, refund: RefundRequest) -> CallOutcome:
+        return await self._send(
+            "/v1/refunds",
+            key,
+            {"charge_id": refund.psp_charge_id, "amount": refund.amount_minor, "reference": refund.reference},
+            ClientRefund,
+        )
+
+    async def find_client_refund(self, key: str) -> ProbeOutcome:
+        return await self._probe("/v1/refunds", ClientRefund, {"idempotency_key": key})
+
+    async def settlement_report(self, day: date) -> SettlementReport:
+        """The PSP's report of the refunds settled on `day` (UTC), `final` once the day is closed.
+
+        Raises ReportUnavailable on a broken exchange, a status other than
+        200 or a body that does not parse: never a partial or guessed report.
+        """
+        started = time.perf_counter()
+        outcome = "unknown"
+        try:
+            report = await self._settlement_report(day)
+            outcome = "applied"
+            return report
+        finally:
+            metrics.child(metrics.EXTERNAL_CALLS, self.name, "statement", outcome).observe(
+                time.perf_counter() - started
+            )
+
+    async def _settlement_report(self, day: date) -> SettlementReport:
+        try:
+            response = await self._http.get(f"{self._base}/v1/settlements/{day.isoformat()}", timeout=self._timeout)
+        except Exception as exc:  # noqa: BLE001 - whatever broke, there is no report
+            raise ReportUnavailable(self._broken(exc)) from exc
+        if response.status_code != 200:
+            raise ReportUnavailable(f"psp: settlement report answered HTTP {response.status_code}")
+        try:
+            report = SettlementReport.model_validate_json(response.content)
+        except ValidationError:
+            raise ReportUnavailable("psp: malformed settlement report") from None
+        if report.date != day:
+            raise ReportUnavailable(f"psp: settlement report for {report.date}, not {day}")
+        return report
 
 
 class Rail(ExternalService):
@@ -291,6 +377,16 @@ def _is_documented_not_found(response: httpx.Response) -> bool:
     except ValueError:
         return False
     return isinstance(problem, dict) and str(problem.get("type", "")).endswith("/not-found")
+
+
+def _has_id(response: httpx.Response) -> bool:
+    """Whether the body names its record: a non-empty, bounded `id` (as Answer bounds it)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    record_id = body.get("id") if isinstance(body, dict) else None
+    return isinstance(record_id, str) and 0 < len(record_id) <= 100
 
 
 def _status_field(response: httpx.Response) -> str | None:

@@ -657,6 +657,37 @@ async def test_the_refund_faults_are_refused_elsewhere_and_show_their_defaults(p
     assert (fault["seconds"], fault["settles_as"]) == (2.0, "succeeded")
 
 
+async def test_the_services_psp_client_reads_the_fakes_refunds_and_report(psp):
+    """The contract both sides keep: the client's allow-list (app/rails) reads what this fake answers."""
+    from app.rails.gateways import PSP
+    from app.rails.outcomes import Applied, Settling
+
+    charge_id = (await charge(psp, amount=100))["id"]
+
+    class Refund:
+        psp_charge_id = charge_id
+        amount_minor = 40
+        reference = "refund-1"
+
+    client = PSP(psp, "http://fake-psp", timeout=5.0, transient_retries=0)
+    await set_faults(psp, {"action": "pending", "seconds": LATER})
+
+    sent = await client.client_refund("k1", Refund())
+    probed = await client.find_client_refund("k1")
+    refund_id = (await probe_refund(psp, "k1"))["id"]
+    await psp.post(f"/_admin/refunds/{refund_id}/settle", json={"status": "failed"})
+    settled = await client.find_client_refund("k1")
+    report = await client.settlement_report(utc_today())
+
+    assert sent == probed == Settling("psp: refund pending")
+    assert isinstance(settled, Applied)
+    assert (settled.record.status, settled.record.failure_code, settled.record.amount) == (
+        "failed", "expired_or_canceled_card", 40,
+    )
+    assert report.final is False
+    assert [(r.refund_id, r.status, r.currency) for r in report.refunds] == [(refund_id, "failed", "EUR")]
+
+
 async def test_an_older_refund_table_gains_the_new_columns_at_start(rails_db_url, psp, db):
     ch = await charge(psp, amount=100)
     await refund(psp, ch["id"], 100, "k1")

@@ -120,8 +120,8 @@ class FakeSystem:
     def names(self) -> list[str]:
         return [c.name for c in self.calls]
 
-    async def _answer(self, method: str, *args: Any) -> Any:
-        self.calls.append(Call(method, args))
+    async def _answer(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append(Call(method, args, kwargs))
         script = self.scripts.get(method)
         if not script:
             raise UnexpectedCall(f"{self.name}.{method}{args!r} was not scripted")
@@ -138,8 +138,8 @@ class FakeSystem:
     async def find_charge(self, key: str) -> Any:
         return await self._answer("find_charge", key)
 
-    async def refund(self, key: str, payment: Payment) -> Any:
-        return await self._answer("refund", key, payment)
+    async def refund(self, key: str, payment: Payment, *, amount: int) -> Any:
+        return await self._answer("refund", key, payment, amount=amount)
 
     async def find_refund(self, key: str) -> Any:
         return await self._answer("find_refund", key)
