@@ -284,6 +284,31 @@ def reconcile(
     console.print(f"reconciled {window}: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
 
 
+@cli.command("settle-refunds")
+@_uses_database
+def settle_refunds() -> None:
+    """Settle parked refunds (still pending at the PSP after the last poll) against its settlement reports, once."""
+    from app.observability import logs
+    from app.rails.gateways import ReportUnavailable
+    from app.services import open_services
+    from app.workers import refund_settlement
+
+    _database_url()
+    settings = _settings()
+    logs.configure(settings.log_format, settings.log_level)
+
+    async def go() -> dict:
+        async with open_services(settings) as services:
+            return await refund_settlement.settle_parked_refunds(services)
+
+    try:
+        counts = asyncio.run(go())
+    except ReportUnavailable as exc:
+        console.print(f"[red]the PSP's settlement report is unavailable ({exc}); nothing more was settled, try again[/]")
+        raise typer.Exit(1) from None
+    console.print("refund settlement: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+
+
 @cli.command()
 @_uses_database
 def breaks() -> None:

@@ -17,7 +17,7 @@ from app.api.body_limit import BodyLimit
 from app.api.in_flight import InFlight, TrackInFlight
 from app.api.metrics import RequestMetrics
 from app.api.rail_notifications import router as rail_router
-from app.api.routes import payment_examples, router
+from app.api.routes import payment_examples, refund_examples, router
 from app.console import routes as console
 from app.config import Settings, redacted_url
 from app.db.errors import database_problem
@@ -34,8 +34,10 @@ STARTUP_PROBE_SECONDS = 5
 
 DESCRIPTION = """
 A payments API that moves money **exactly once**, however often a request is
-retried and wherever a process dies. Send every `POST /v1/payments` with an
-`Idempotency-Key` you generate once per payment; retry with the same key.
+retried and wherever a process dies. Send every `POST /v1/payments` and
+`POST /v1/payments/{id}/refunds` with an `Idempotency-Key` you generate once
+per operation; retry with the same key. A key belongs to the one operation
+it was first used for: sent to another endpoint, it is refused (422).
 
 Errors are `application/problem+json` (RFC 9457). Problem types:
 
@@ -44,6 +46,8 @@ Errors are `application/problem+json` (RFC 9457). Problem types:
 
 OPENAPI_TAGS = [
     {"name": "payments", "description": "Create a payment, exactly once, and read it back."},
+    {"name": "refunds", "description": "Refund a payment, in full or in part, exactly once; its refunds never add up "
+     "to more than its charge."},
     {"name": "events", "description": "The decisions about your payments, as a feed; webhooks carry the same events."},
     {"name": "idempotency keys", "description": "An operation's state machine row and timeline, for learners and operators."},
     {"name": "meta", "description": "What a problem `type` means; whether the service can reach its database."},
@@ -152,13 +156,21 @@ def _document_the_api_as_it_answers(app: FastAPI) -> None:
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = build()
-            for parameter in schema["paths"]["/v1/payments"]["post"]["parameters"]:
-                if parameter["name"] == "Idempotency-Key":
-                    parameter["required"] = True
-                    parameter["schema"] = {"type": "string", "minLength": 1, "maxLength": 255}
-                    parameter["example"] = "8e03978e-40d5-43e8-bc93-6894a57f9324"
-            created = schema["paths"]["/v1/payments"]["post"]["responses"]["201"]["content"]["application/json"]
-            created["examples"] = payment_examples()
+            for path, examples in (("/v1/payments", payment_examples()),
+                                   ("/v1/payments/{payment_id}/refunds", refund_examples())):
+                post = schema["paths"][path]["post"]
+                for parameter in post["parameters"]:
+                    if parameter["name"] == "Idempotency-Key":
+                        parameter["required"] = True
+                        parameter["schema"] = {"type": "string", "minLength": 1, "maxLength": 255}
+                        parameter["example"] = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+                post["responses"]["201"]["content"]["application/json"]["examples"] = {
+                    name: example for name, example in examples.items() if name != "pending"
+                }
+                if "pending" in examples:
+                    post["responses"]["202"]["content"]["application/json"]["examples"] = {
+                        "pending": examples["pending"]
+                    }
             for operations in schema["paths"].values():
                 for operation in operations.values():
                     responses = operation.get("responses", {})

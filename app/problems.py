@@ -30,8 +30,8 @@ def _t(slug: str, status: int, title: str, description: str) -> ProblemType:
 
 IDEMPOTENCY_KEY_MISSING = _t(
     "idempotency-key-missing", 400, "Idempotency-Key header is required",
-    "POST /v1/payments moves money, so it must carry an Idempotency-Key header: a value you "
-    "generate once per payment (a UUID is ideal) and send again, unchanged, on every retry.",
+    "A POST that moves money (a payment, a refund) must carry an Idempotency-Key header: a value "
+    "you generate once per operation (a UUID is ideal) and send again, unchanged, on every retry.",
 )
 IDEMPOTENCY_KEY_INVALID = _t(
     "idempotency-key-invalid", 400, "Idempotency-Key header is malformed",
@@ -66,10 +66,31 @@ DUPLICATE_PAYMENT = _t(
     "one. A reference is freed only when its payment ends without moving money (declined, or "
     "failed and refunded).",
 )
+DUPLICATE_REFUND = _t(
+    "duplicate-refund", 409, "A refund with this reference already exists",
+    "This payment already has a refund with this `reference` (under another Idempotency-Key) "
+    "that is pending or succeeded: the same refund asked for twice, a double click. Nothing more "
+    "was refunded; `refund_id` names the existing one. A failed refund frees its reference.",
+)
+REFUND_EXCEEDS_PAYMENT = _t(
+    "refund-exceeds-payment", 409, "The refund is larger than what is left to refund",
+    "The payment's refunds, made or in flight, together with this one would exceed its charge; "
+    "`amount_refundable` says what is left. Nothing was refunded. This answer is stored under "
+    "your Idempotency-Key and replayed to a retry of it; a refund that fails gives its amount "
+    "back, after which a new request, under a new key, may take it.",
+)
+PAYMENT_NOT_REFUNDABLE = _t(
+    "payment-not-refundable", 409, "The payment cannot be refunded",
+    "Only a payment that succeeded (charged, and paid out) can be refunded by its client: this "
+    "one was declined or failed (nothing to refund), is still in flight (retry once it is final), "
+    "or its payout was returned and the charge is being refunded in full already. `status` "
+    "names its status. Nothing was refunded.",
+)
 IDEMPOTENCY_KEY_REUSED = _t(
     "idempotency-key-reused", 422, "Idempotency-Key was already used for a different request",
-    "This key was first used with a different method, path or body. A key identifies one "
-    "payment; generate a new key for a new payment. Nothing was done.",
+    "This key was first used with a different method, path or body: another payment, another "
+    "refund, or a payment's key sent to the refund endpoint (a key is scoped by its endpoint). "
+    "A key identifies one operation; generate a new key for a new one. Nothing was done.",
 )
 PAYLOAD_TOO_LARGE = _t(
     "payload-too-large", 413, "The request body is too large",
@@ -149,7 +170,7 @@ CATALOGUE: dict[str, ProblemType] = {
         IDEMPOTENCY_KEY_MISSING, IDEMPOTENCY_KEY_INVALID, INVALID_REQUEST, UNAUTHENTICATED,
         NOT_FOUND, METHOD_NOT_ALLOWED, REQUEST_TIMEOUT, PAYLOAD_TOO_LARGE, REQUEST_HEADER_TOO_LARGE,
         TOO_MANY_CONNECTIONS,
-        REQUEST_IN_PROGRESS, DUPLICATE_PAYMENT,
+        REQUEST_IN_PROGRESS, DUPLICATE_PAYMENT, DUPLICATE_REFUND, REFUND_EXCEEDS_PAYMENT, PAYMENT_NOT_REFUNDABLE,
         IDEMPOTENCY_KEY_REUSED, INTERNAL_ERROR, SERVICE_UNAVAILABLE, KEY_TABLE_UNAVAILABLE,
         RAIL_UNAUTHENTICATED, INVALID_NOTIFICATION, RETURN_TOO_EARLY, CROSS_ORIGIN_REQUEST,
     )
@@ -172,3 +193,15 @@ class ProblemError(Exception):
         self.detail = detail
         self.headers = headers or {}
         self.extensions = extensions
+
+    def body(self, instance: str | None = None) -> dict[str, Any]:
+        """The problem document (RFC 9457): what the API sends, and what a stored refusal replays."""
+        return problem_body(self.problem, self.detail, instance=instance, **self.extensions)
+
+
+def problem_body(problem: ProblemType, detail: str, *, instance: str | None = None, **extensions: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"type": problem.uri, "title": problem.title, "status": problem.status, "detail": detail}
+    if instance:
+        body["instance"] = instance
+    body.update(extensions)
+    return body

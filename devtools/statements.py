@@ -19,6 +19,8 @@ from app.machine.declare import Machine
 from app.machine.statements import Statement
 from app.payments import phases, returns
 from app.payments.payment import PAYMENT
+from app.payments.refunds import phases as refund_phases
+from app.payments.refunds.refund import REFUND
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "statements.md"
 
@@ -34,9 +36,12 @@ from one fence (the key row's claim, advance or finish, from
 [app/idempotency/key_table.py](../../app/idempotency/key_table.py)), the phase's own
 writes (written beside the phase, in [app/payments/phases.py](../../app/payments/phases.py)
 and [app/payments/returns.py](../../app/payments/returns.py), whose refund of a
-returned payout runs the payment's own `CHARGE_REFUNDED`) and, in every
-statement that finishes an operation, the outbox's event and webhook delivery
-([app/outbox/events.py](../../app/outbox/events.py)). Every write reads from the
+returned payout runs the payment's own `CHARGE_REFUNDED`, and in
+[app/payments/refunds/phases.py](../../app/payments/refunds/phases.py) for a
+client's refund) and, in every statement that finishes an operation, the
+outbox's event and webhook delivery ([app/outbox/events.py](../../app/outbox/events.py)),
+except a refusal stored under a claimed key, which changes no business row
+and emits nothing. Every write reads from the
 fence, or from a write that does: a statement run by an owner whose lease was
 taken over writes nothing at all.
 """
@@ -45,7 +50,7 @@ taken over writes nothing at all.
 def sections() -> list[tuple[str, str, Statement]]:
     """(heading, what it is for, statement) for each phase statement, in the order of the machines."""
     found = []
-    for machine, module in ((PAYMENT, phases), (returns.RETURN_REFUND, returns)):
+    for machine, module in ((PAYMENT, phases), (returns.RETURN_REFUND, returns), (REFUND, refund_phases)):
         for name, value in vars(module).items():
             if isinstance(value, Statement):
                 found.append((f"{machine.name}: `{module.__name__.rsplit('.', 1)[1]}.{name}`",
@@ -54,6 +59,8 @@ def sections() -> list[tuple[str, str, Statement]]:
 
 
 def _fence_line(machine: Machine, statement: Statement) -> str:
+    if statement.fence == "finish" and not statement.emits:
+        return "Finishes the operation under the owner's lease with a refusal as its stored response; emits nothing."
     return {
         "claim": f"Claims the key of a new {machine.name} (the claim is the fence).",
         "advance": "Advances the operation to its next SENT point under the owner's lease.",

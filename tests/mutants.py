@@ -213,8 +213,8 @@ MUTANTS = (
             ),
             Edit(  # the refund of a returned payout (K4), the other operation's call
                 "app/payments/returns.py",
-                "            send=lambda s, p: s.psp.refund(p.psp_refund_key, p, amount=p.amount_minor),",
-                "            send=lambda s, p: s.psp.refund(__import__('uuid').uuid4().hex, p, amount=p.amount_minor),  # MUTANT: a fresh key",
+                "            send=lambda s, p: s.psp.refund(p.psp_refund_key, p, amount=p.return_refund_minor),",
+                "            send=lambda s, p: s.psp.refund(__import__('uuid').uuid4().hex, p, amount=p.return_refund_minor),  # MUTANT: a fresh key",
             ),
         ),
         (

@@ -24,8 +24,8 @@ _bearer = HTTPBearer(auto_error=False, description="The API key from `payments c
 _KEY_HEADER = Header(
     alias="Idempotency-Key",
     description=(
-        "Generate once per payment (a UUID v4 or v7 is ideal), store it with the pending "
-        "payment, and send the same value on every retry. 1 to "
+        "Generate once per operation, a payment or a refund (a UUID v4 or v7 is ideal), store it "
+        "with what it is for, and send the same value on every retry. 1 to "
         f"{MAX_KEY_LENGTH} characters from A-Z a-z 0-9 _ . : ~ + / = -, bare or as a "
         'quoted structured-field string ("...").'
     ),

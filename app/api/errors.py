@@ -28,7 +28,7 @@ from app.db.errors import database_unavailable, describe, loggable, row_moved
 from app.observability import metrics
 from app.problems import (
     INTERNAL_ERROR, INVALID_REQUEST, KEY_TABLE_UNAVAILABLE, METHOD_NOT_ALLOWED, NOT_FOUND, SERVICE_UNAVAILABLE,
-    ProblemError, ProblemType,
+    ProblemError, ProblemType, problem_body,
 )
 
 log = logging.getLogger(__name__)
@@ -51,10 +51,7 @@ def problem_response(
     # Every problem answer is built here, so this counts them all, by type
     # (the 409s, 422s and 503s an operator alerts on: docs/operations.md).
     metrics.child(metrics.PROBLEMS, problem.slug).inc()
-    body = {"type": problem.uri, "title": problem.title, "status": problem.status, "detail": detail}
-    if instance:
-        body["instance"] = instance
-    body.update(extensions)
+    body = problem_body(problem, detail, instance=instance, **extensions)
     return Response(
         content=json.dumps(body, default=str),
         status_code=problem.status,

@@ -22,6 +22,8 @@ from app.observability import metrics
 from app.outbox import events
 from app.payments import lookups, submission
 from app.payments.models import Payment, PaymentRequest, PaymentView, fee_for
+from app.payments.refunds import submission as refunds
+from app.payments.refunds.models import Refund, RefundList, RefundRequest, RefundView
 from app.services import database_answers
 from app.problems import CATALOGUE, NOT_FOUND, SERVICE_UNAVAILABLE, ProblemError
 
@@ -119,13 +121,15 @@ async def create_payment(services: ServicesDep, caller: PaymentCallerDep, body: 
 
 
 def final_response(outcome: Finished, *, replayed: bool) -> Response:
-    """A payment's final response; a replay is the stored body, byte for byte, plus one header.
+    """An operation's final response; a replay is the stored body, byte for byte, plus one header.
 
     The replay shortcut (app/fastpath/replay_shortcut.py) sends replays through this
-    too, so a replay is the same bytes whichever way it was answered.
+    too, so a replay is the same bytes whichever way it was answered. A
+    stored refusal (a refund larger than what is left) is a problem document.
     """
     headers = {"Idempotent-Replayed": "true"} if replayed else None
-    return Response(outcome.body, outcome.status_code, headers=headers, media_type="application/json")
+    media_type = PROBLEM if outcome.status_code >= 400 else "application/json"
+    return Response(outcome.body, outcome.status_code, headers=headers, media_type=media_type)
 
 
 @router.get(
@@ -145,6 +149,120 @@ async def get_payment(services: ServicesDep, client_id: ClientId, payment_id: st
         # Another client's payment is "not found" too, never "forbidden".
         raise ProblemError(NOT_FOUND, "no such payment")
     return PaymentView.of(payment)
+
+
+def refund_examples() -> dict[str, dict[str, Any]]:
+    """The bodies of a refund's 201 and 202, made the way the API makes them (RefundView.of a refund row)."""
+    at = datetime(2026, 1, 16, 14, 5, tzinfo=timezone.utc)
+    succeeded = Refund(
+        id=uuid.UUID("01943c1e-5b7a-7c3e-9a41-2d6f0b8e4a11"), payment_id=uuid.UUID("0f8fad5b-d9cb-469f-a165-70867728950e"),
+        client_id=1, idempotency_key="c1d2e3f4", reference="rma-2001", reason="one item returned", amount_minor=500,
+        currency="EUR", status="succeeded", psp_charge_id="ch_1", psp_refund_key="k5", psp_refund_id="re_1",
+        failure_code=None, created_at=at, updated_at=at, finished_at=at,
+    )
+    rows = {
+        "succeeded": ("Refunded to the payer's card", succeeded),
+        "failed": ("The PSP could not refund: nothing refunded, the amount refundable again",
+                   dataclasses.replace(succeeded, status="failed", failure_code="expired_or_canceled_card")),
+        "pending": ("Taken by the PSP, not settled yet (a 202)",
+                    dataclasses.replace(succeeded, status="pending", psp_refund_id=None, finished_at=None)),
+    }
+    return {status: {"summary": summary, "value": json.loads(RefundView.of(row).body())}
+            for status, (summary, row) in rows.items()}
+
+
+def _payment_id(raw: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(raw)
+    except ValueError:
+        raise ProblemError(NOT_FOUND, "no such payment") from None
+
+
+@router.post(
+    "/v1/payments/{payment_id}/refunds",
+    status_code=201,
+    response_model=RefundView,
+    summary="Refund a payment, in full or in part, exactly once",
+    tags=["refunds"],
+    description=(
+        "Refunds `amount` (absent: everything still refundable) of a succeeded payment's charge to "
+        "the payer's card. Its own `Idempotency-Key`, with the payment's response matrix: a finished "
+        "refund (or a stored refusal) is replayed byte for byte with `Idempotent-Replayed: true`; one "
+        "in flight answers 409 with `Retry-After`; a key already used for anything else answers 422. "
+        "`reference` is your identity for the refund, unique per payment. Refunds of a payment never "
+        "add up to more than its charge, whatever the concurrency (docs/refunds.md)."
+    ),
+    responses={
+        201: {"description": "Final outcome: `status` is succeeded or failed."},
+        202: {"model": RefundView, "description": "The PSP has the refund pending. Poll `Location`, or retry "
+              "with the same key. Never a failure."},
+        400: _problem_doc("idempotency-key-missing", "idempotency-key-invalid", "invalid-request"),
+        401: _problem_doc("unauthenticated"),
+        404: _problem_doc("not-found"),
+        409: _problem_doc("request-in-progress", "duplicate-refund", "refund-exceeds-payment",
+                          "payment-not-refundable"),
+        413: _problem_doc("payload-too-large"),
+        422: _problem_doc("idempotency-key-reused"),
+        503: _problem_doc("service-unavailable", "key-table-unavailable"),
+    },
+)
+async def create_refund(
+    services: ServicesDep, caller: PaymentCallerDep, payment_id: str, body: RefundRequest
+) -> Response:
+    reply = await refunds.submit_refund(
+        services, caller.client_id, caller.key, _payment_id(payment_id), body, row=caller.row
+    )
+    outcome = reply.outcome
+    if isinstance(outcome, Finished):
+        return final_response(outcome, replayed=reply.replayed)
+    refund = outcome.subject
+    return Response(
+        RefundView.of(refund).body(),
+        202,
+        headers={"Location": f"/v1/refunds/{refund.id}", "Retry-After": str(services.settings.retry_after_seconds)},
+        media_type="application/json",
+    )
+
+
+@router.get(
+    "/v1/payments/{payment_id}/refunds",
+    response_model=RefundList,
+    summary="A payment's refunds, oldest first, and what is still refundable",
+    tags=["refunds"],
+    responses={400: _problem_doc("invalid-request"), 401: _problem_doc("unauthenticated"),
+               404: _problem_doc("not-found")},
+)
+async def list_refunds(
+    services: ServicesDep,
+    client_id: ClientId,
+    payment_id: str,
+    after: uuid.UUID | None = Query(None, description="Only refunds after this refund id."),
+    limit: int = Query(20, ge=1, le=refunds.MAX_PAGE),
+) -> RefundList:
+    payment, found = await refunds.refunds_of(services, client_id, _payment_id(payment_id), after, limit + 1)
+    page = found[:limit]
+    return RefundList(
+        data=[RefundView.of(r) for r in page], has_more=len(found) > limit,
+        next_after=page[-1].id if page else after, amount_refundable=payment.refundable_minor,
+    )
+
+
+@router.get(
+    "/v1/refunds/{refund_id}",
+    response_model=RefundView,
+    summary="A refund's current state",
+    tags=["refunds"],
+    responses={401: _problem_doc("unauthenticated"), 404: _problem_doc("not-found")},
+)
+async def get_refund(services: ServicesDep, client_id: ClientId, refund_id: str) -> RefundView:
+    try:
+        rid = uuid.UUID(refund_id)
+    except ValueError:
+        rid = None
+    refund = rid and await refunds.find_refund(services, client_id, rid)
+    if not refund:
+        raise ProblemError(NOT_FOUND, "no such refund")
+    return RefundView.of(refund)
 
 
 @router.get(

@@ -7,6 +7,8 @@ payment's entries balance after every phase. The accounts:
     beneficiary_payable  what we owe beneficiaries until the rail pays them (liability)
     fee_revenue          our fees (income)
     rail_settlement      money sent out over the rail (asset, decreasing)
+    client_receivable    what a client owes us for the refunds we made for it after
+                         its payout was sent (asset)
 
 The table's UNIQUE (payment_id, posting, account) means a posting can land
 only once per payment, even if a bug upstream tried to run a phase twice.
@@ -23,6 +25,7 @@ class Payment(Protocol):
     amount_minor: int
     net_minor: int
     fee_minor: int
+    return_refund_minor: int | None
 
 
 def charge_captured(p: Payment) -> list[tuple[str, int, int]]:
@@ -45,24 +48,48 @@ def payout_returned(p: Payment) -> list[tuple[str, int, int]]:
 
 
 def charge_refunded(p: Payment) -> list[tuple[str, int, int]]:
-    """Compensation: the payout was rejected (or returned) and the charge refunded, fee included."""
+    """Compensation: the payout was rejected (or returned) and the charge refunded, fee included.
+
+    A returned payout's compensation refunds only what the client's refunds
+    had not already taken (`return_refund_minor`); those the client funded,
+    and with the payout back the client owes them no longer.
+    """
+    refunded = p.amount_minor if p.return_refund_minor is None else p.return_refund_minor
     return [
         ("beneficiary_payable", p.net_minor, 0),
         ("fee_revenue", p.fee_minor, 0),
-        ("psp_receivable", 0, p.amount_minor),
+        ("psp_receivable", 0, refunded),
+        ("client_receivable", 0, p.amount_minor - refunded),
     ]
 
 
-# The legs of a posting, as one CTE of a phase's statement (app/machine/statements.py):
-# inserted FROM `updated`, the payment row the phase's fenced UPDATE returned,
-# so a stale owner's statement posts nothing. The parameters come from `legs`.
-POSTED = """
+def refund_succeeded(amount_minor: int) -> list[tuple[str, int, int]]:
+    """A client's refund, after its payout was sent: the client funds it, and our fee stays ours."""
+    return [("client_receivable", amount_minor, 0), ("psp_receivable", 0, amount_minor)]
+
+
+def refund_posting(refund_id: object) -> str:
+    """A client refund's posting name: one per refund, so a payment may have many, each landing once."""
+    return f"refund:{refund_id}"
+
+
+def posted(payment: str = "updated.id") -> str:
+    """The legs of a posting, as one CTE of a phase's statement (app/machine/statements.py).
+
+    Inserted FROM `updated`, the row the phase's fenced UPDATE returned (a
+    payment; a refund names its payment in `payment`), so a stale owner's
+    statement posts nothing. The parameters come from `legs`.
+    """
+    return f"""
     INSERT INTO ledger_entry (payment_id, posting, account, debit_minor, credit_minor, currency)
-    SELECT updated.id, CAST(:posting AS text), leg.account, leg.debit, leg.credit, updated.currency
+    SELECT {payment}, CAST(:posting AS text), leg.account, leg.debit, leg.credit, updated.currency
       FROM updated,
            unnest(CAST(:accounts AS text[]), CAST(:debits AS bigint[]), CAST(:credits AS bigint[]))
              AS leg(account, debit, credit)
 """
+
+
+POSTED = posted()  # the payment's own phases
 
 
 def legs(posting: str, entries: list[tuple[str, int, int]]) -> dict[str, object]:

@@ -97,7 +97,15 @@ class Start:
 
     phase: Callable[..., Awaitable[Operation[Any] | None]]
     what: str
-    leads_to: str
+    leads_to: str | tuple[str, ...]  # the point it leaves (or each it may leave: a start may refuse and finish)
+    # A start phase is one statement, run without BEGIN and COMMIT; one that
+    # must decide between two statements (write, or undo and refuse) runs in
+    # a transaction instead.
+    transaction: bool = False
+
+    @property
+    def points(self) -> tuple[str, ...]:
+        return (self.leads_to,) if isinstance(self.leads_to, str) else self.leads_to
 
 
 async def _unchanged(conn: AsyncConnection, op: Operation[Any]) -> Any:
@@ -125,7 +133,7 @@ class Machine(Generic[S]):
     log_fields: Callable[[S], dict[str, str]] = field(default=lambda subject: {})
 
     def __post_init__(self) -> None:
-        points = {self.start.leads_to, *(p for c in self.calls.values() for p in c.leads_to)}
+        points = {*self.start.points, *(p for c in self.calls.values() for p in c.leads_to)}
         unknown = points - set(self.calls) - {FINISHED}
         if unknown:
             raise ValueError(f"{self.name}: {sorted(unknown)} lead nowhere: no call is declared there")

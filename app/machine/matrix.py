@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.exc import IntegrityError
 
-from app.db.transaction import one_statement, read
+from app.db.transaction import atomic, one_statement, read
 from app.idempotency import key_table
 from app.idempotency.key_table import KeyRow, LeaseLost
 from app.machine.crash import reached
@@ -107,7 +107,8 @@ async def submit(
 
 async def _start(services: Services, machine: Machine[S], **args: Any) -> Operation[S] | None:
     try:
-        return await one_statement(
+        run = atomic if machine.start.transaction else one_statement
+        return await run(
             services.engine, machine.start.phase, machine, lease_seconds=services.settings.lease_seconds, **args
         )
     except IntegrityError as exc:

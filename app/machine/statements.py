@@ -41,11 +41,12 @@ class Statement:
     fence: str  # "claim", "advance" or "finish"
     writes: tuple[tuple[str, str], ...]  # (CTE name, its SQL)
     returning: str
+    emits: bool = True  # a finish emits its event, unless it refuses the request (no event)
 
     @property
     def ctes(self) -> tuple[tuple[str, str], ...]:
         """Every CTE in order: the fence, the phase's writes, then the outbox when it finishes."""
-        outbox = _OUTBOX if self.fence == "finish" else ()
+        outbox = _OUTBOX if self.fence == "finish" and self.emits else ()
         return (("fence", _FENCES[self.fence]), *self.writes, *outbox)
 
     @cached_property
@@ -71,6 +72,16 @@ def advance(**writes: str) -> Statement:
 def finish(**writes: str) -> Statement:
     """A statement that finishes the operation, stores its response and emits its event."""
     return Statement("finish", tuple(writes.items()), "SELECT * FROM updated")
+
+
+def refusal() -> Statement:
+    """A statement that finishes the operation with a refusal stored as its response, and emits nothing.
+
+    For a request refused after its key was claimed (a refund larger than
+    what is left): the refusal is that request's result, replayed to its
+    retries, but no business row changed, so no client needs an event.
+    """
+    return Statement("finish", (), "SELECT * FROM fence", emits=False)
 
 
 def reads_of(body: str) -> set[str]:

@@ -27,9 +27,14 @@ FAILED = "payment.failed"
 INDETERMINATE = "payment.indeterminate"
 RETURNED = "payment.returned"
 REFUNDED = "payment.refunded"
+# A client's refund of a payment (app/payments/refunds/).
+REFUND_SUCCEEDED = "refund.succeeded"
+REFUND_FAILED = "refund.failed"
+REFUND_PENDING = "refund.pending"  # still pending at the PSP after the last poll: reconciliation settles it
 # Stable names: a client's code switches on them. (The schema checks only
 # their shape, so a new type needs no migration.)
-TYPES = (SUCCEEDED, DECLINED, FAILED, INDETERMINATE, RETURNED, REFUNDED)
+TYPES = (SUCCEEDED, DECLINED, FAILED, INDETERMINATE, RETURNED, REFUNDED, REFUND_SUCCEEDED, REFUND_FAILED,
+         REFUND_PENDING)
 _OF_STATUS = {
     "succeeded": SUCCEEDED, "declined": DECLINED, "failed": FAILED, "indeterminate": INDETERMINATE,
     "returned": RETURNED, "refunded": REFUNDED,

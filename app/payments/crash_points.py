@@ -12,7 +12,7 @@ docs/crash-matrix.md#crash-points says where each is checked.
 
 from __future__ import annotations
 
-from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT, EXT4_SENT, FINISHED
+from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT, EXT4_SENT, EXT5_SENT, FINISHED
 
 POINTS: dict[str, str] = {
     f"after-commit-{EXT1_SENT}": "Handler1 committed (payment row, K1); the PSP has not been called.",
@@ -24,6 +24,9 @@ POINTS: dict[str, str] = {
     f"after-commit-{EXT4_SENT}": "A return is recorded (inbox, returned, ledger, event, refund intended); "
     "the rail has not been acknowledged and the PSP not asked to refund.",
     "after-call-EXT4": "The PSP refunded the returned payment's charge; the refund is not recorded yet.",
+    f"after-commit-{EXT5_SENT}": "A client's refund is claimed and its amount reserved on the payment; "
+    "the PSP has not been asked to refund.",
+    "after-call-EXT5": "The PSP answered the client's refund (succeeded or failed); its outcome is not recorded yet.",
     f"after-commit-{FINISHED}": "The final response is stored; the client has not received it.",
     "reconcile-after-settlement": "A reconciliation run settled one payment; the rest of its window is not done.",
     "webhook-after-claim": "The dispatcher claimed due deliveries (leased, attempt counted); nothing is POSTed yet.",

@@ -10,6 +10,7 @@ from typing import Any
 
 from app.machine.declare import Machine
 from app.payments.payment import PAYMENT
+from app.payments.refunds.refund import REFUND
 from app.payments.returns import RETURN_REFUND
 
-BY_ENDPOINT: dict[str, Machine[Any]] = {machine.endpoint: machine for machine in (PAYMENT, RETURN_REFUND)}
+BY_ENDPOINT: dict[str, Machine[Any]] = {machine.endpoint: machine for machine in (PAYMENT, RETURN_REFUND, REFUND)}

@@ -51,7 +51,7 @@ _REFUSED_CATEGORIES = {"Cc", "Cf", "Cs", "Zl", "Zp"}
 _ALLOWED_FORMAT = {"\u200c", "\u200d"}
 
 
-def _plain_text(value: object) -> object:
+def plain_text(value: object) -> object:
     if not isinstance(value, str):
         return value  # not text at all: the str type refuses it, with its own message
     value = unicodedata.normalize("NFC", value)
@@ -63,9 +63,9 @@ def _plain_text(value: object) -> object:
 
 
 # The validator runs first (it is the last Before), then the constraints see the NFC text.
-Reference = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,64}$"), BeforeValidator(_plain_text)]
+Reference = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,64}$"), BeforeValidator(plain_text)]
 CardToken = Annotated[str, StringConstraints(pattern=r"^tok_[A-Za-z0-9_]{1,64}$")]
-Name = Annotated[str, StringConstraints(min_length=1, max_length=140), BeforeValidator(_plain_text)]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=140), BeforeValidator(plain_text)]
 
 
 def fee_for(amount_minor: int) -> int:
@@ -163,6 +163,15 @@ class Payment:
     return_id: str | None = None
     return_reason: str | None = None
     returned_at: datetime | None = None
+    # Refunded, or reserved for a refund in flight: client refunds and our
+    # compensations together (app/payments/refunds/). Never above amount_minor.
+    refunded_minor: int = 0
+    return_refund_minor: int | None = None  # what a returned payout's compensation refunds
+
+    @property
+    def refundable_minor(self) -> int:
+        """What a client refund may still take: the charge less every refund made or reserved, once paid out."""
+        return self.amount_minor - self.refunded_minor if self.status == "succeeded" else 0
 
 
 class Failure(BaseModel):

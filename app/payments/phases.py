@@ -238,11 +238,12 @@ async def record_transfer(
 # --- EXT3's outcome: the compensating refund -> finished (failed) ----------------------------------
 
 # The charge refunded: the payment ends `failed` (its payout was rejected),
-# or `refunded` (its payout was returned: app/payments/returns.py).
+# or `refunded` (its payout was returned: app/payments/returns.py). Either
+# way nothing of the charge is refundable any more.
 CHARGE_REFUNDED = finish(
     updated="""
         UPDATE payment
-           SET status = :status, psp_refund_id = :refund_id, updated_at = now()
+           SET status = :status, psp_refund_id = :refund_id, refunded_minor = amount_minor, updated_at = now()
           FROM fence
          WHERE payment.id = fence.payment_id
         RETURNING payment.*

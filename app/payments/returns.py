@@ -28,7 +28,14 @@ the inbox row, so a crash leaves either all of it or none of it:
 
 The compensation policy: a returned payout is refunded to the payer's card
 in full, our fee included (nobody is at fault that the account closed), and
-the payment ends `refunded`. The refund is an ordinary external step driven
+the payment ends `refunded`. In full means whatever the client's own
+refunds (app/payments/refunds/) had not already taken or reserved when the
+return is recorded: the payment's row lock orders the return and every
+refund, the return reserves all that is left (`return_refund_minor`), and a
+refund that comes after it finds the payment returned and nothing left. If
+the client's refunds took everything, there is nothing to send the PSP: the
+payment is `refunded` at once, in the return's own transaction, with no
+compensation to drive. The refund is an ordinary external step driven
 by the same engine, from recovery point EXT4_SENT: probe by K4, send with
 K4, record (`record_return_refund`). If its owner dies,
 its lease runs out and the recovery worker takes it over, like any other
@@ -134,14 +141,23 @@ _DUPLICATE = text(
     """
 )
 
+# The return takes what is left of the charge for its compensation: SET
+# sees the row as it was, so `return_refund_minor` is what the client's
+# refunds had not taken, and nothing is refundable afterwards.
 _RETURNED = text(
     """
     UPDATE payment
        SET status = 'returned', return_id = :return_id, return_reason = :reason_code, returned_at = now(),
-           psp_refund_key = :refund_key, updated_at = now()
+           psp_refund_key = :refund_key, return_refund_minor = amount_minor - refunded_minor,
+           refunded_minor = amount_minor, updated_at = now()
      WHERE id = :id AND status = 'succeeded'
     RETURNING *
     """
+)
+
+# Nothing left to refund (the client's refunds took it all): refunded at once.
+_REFUNDED_ALREADY = text(
+    "UPDATE payment SET status = 'refunded', updated_at = now() WHERE id = :id AND status = 'returned' RETURNING *"
 )
 
 _POSTED = text(
@@ -269,11 +285,15 @@ async def record_return(
                     outcome, detail)
         return Recorded(outcome, payment, detail=detail)
     assert payment is not None
-    op = await _apply(conn, payment, line, lease_seconds)
-    return Recorded("applied", op.subject, operation=op)
+    applied = await _apply(conn, payment, line, lease_seconds)
+    if isinstance(applied, Payment):  # nothing left to refund: no compensation to drive
+        return Recorded("applied", applied)
+    return Recorded("applied", applied.subject, operation=applied)
 
 
-async def _apply(conn: AsyncConnection, payment: Payment, line: ReturnLine, lease_seconds: float) -> Operation[Payment]:
+async def _apply(
+    conn: AsyncConnection, payment: Payment, line: ReturnLine, lease_seconds: float
+) -> Operation[Payment] | Payment:
     comp_key = compensation_key(line.return_id)
     refund_key = derived_key(payment.client_id, comp_key, STEP_RETURN_REFUND)
     row = (
@@ -292,6 +312,8 @@ async def _apply(conn: AsyncConnection, payment: Payment, line: ReturnLine, leas
         conn, client_id=returned.client_id, payment_id=returned.id,
         event_type=events.RETURNED, data=PaymentView.of(returned).body(),
     )
+    if returned.return_refund_minor == 0:
+        return await _refunded_already(conn, returned)
     token = (
         await conn.execute(
             _COMPENSATION,
@@ -302,6 +324,22 @@ async def _apply(conn: AsyncConnection, payment: Payment, line: ReturnLine, leas
         )
     ).scalar_one()
     return Operation(RETURN_REFUND, Lease(returned.client_id, comp_key, token), EXT4_SENT, returned, resumed=False)
+
+
+async def _refunded_already(conn: AsyncConnection, returned: Payment) -> Payment:
+    """The client's refunds took the whole charge: no compensation to send; the payment ends `refunded` now."""
+    row = (await conn.execute(_REFUNDED_ALREADY, dict(id=returned.id))).mappings().one()
+    refunded = Payment(**row)
+    await conn.execute(
+        _POSTED,
+        dict(payment_id=refunded.id, currency=refunded.currency,
+             **postings.legs("charge_refunded", postings.charge_refunded(refunded))),
+    )
+    await events.emit(
+        conn, client_id=refunded.client_id, payment_id=refunded.id,
+        event_type=events.REFUNDED, data=PaymentView.of(refunded).body(),
+    )
+    return refunded
 
 
 # --- EXT4's outcome: the card refunded -> finished (refunded) ---------------------------------------
@@ -351,7 +389,7 @@ RETURN_REFUND: Machine[Payment] = Machine(
     calls={
         EXT4_SENT: Call(
             "EXT4", "refund the returned payment's charge at the PSP with K4",
-            send=lambda s, p: s.psp.refund(p.psp_refund_key, p, amount=p.amount_minor),
+            send=lambda s, p: s.psp.refund(p.psp_refund_key, p, amount=p.return_refund_minor),
             probe=lambda s, p: s.psp.find_refund(p.psp_refund_key),
             record=record_return_refund, leads_to=(FINISHED,),
         ),

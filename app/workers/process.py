@@ -22,6 +22,7 @@ from app.config import Settings
 from app.observability import metrics
 from app.services import open_services
 from app.workers.reconciliation import reconcile_loop
+from app.workers.refund_settlement import settlement_loop
 from app.workers.recovery import recovery_loop
 from app.workers.retention import retention_loop
 from app.workers.webhooks import dispatch_loop
@@ -31,10 +32,12 @@ log = logging.getLogger(__name__)
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
     async with open_services(settings) as services:
-        log.info("worker started: recovery sweep, reconciliation schedule, key partition upkeep, webhook dispatcher")
+        log.info("worker started: recovery sweep, reconciliation schedule, refund settlement, key partition upkeep, "
+                 "webhook dispatcher")
         await asyncio.gather(
             recovery_loop(services, stop),
             reconcile_loop(services, stop),
+            settlement_loop(services, stop),
             retention_loop(services, stop),
             dispatch_loop(services, stop),
         )

@@ -194,7 +194,9 @@ async def _return_line(services: Services, run: RunLease, line: ReturnLine) -> s
         # rare): the rail's notification, retried until we accept it, applies it.
         return "returns_not_yet_applicable"
     if recorded.operation is None:
-        return {"duplicate": "returns_already_notified"}.get(recorded.outcome, "return_breaks")
+        # Applied with nothing to drive: the client's refunds had taken it all.
+        return {"duplicate": "returns_already_notified", "applied": "returns_applied_from_statement"}.get(
+            recorded.outcome, "return_breaks")
     reached(settings.payments_crash_at, f"after-commit-{EXT4_SENT}")
     await returns.compensate(services, recorded.operation)
     return "returns_applied_from_statement"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -397,5 +397,51 @@ async def test_0010_adds_console_sessions_beside_every_row_of_the_previous_head(
         with pytest.raises(asyncpg.CheckViolationError):  # only a SHA-256 is stored, never the id itself
             await conn.execute("INSERT INTO console_session (id_hash, token_fingerprint, expires_at) "
                                "VALUES ('raw-session-id', $1, now() + interval '1 hour')", digest)
+    finally:
+        await conn.close()
+
+
+async def test_0011_gives_every_payment_its_refunded_amount_and_guards_it_by_a_constraint(scratch):
+    await migrate(scratch, revision_before("0011"))
+    conn = await asyncpg.connect(scratch)
+    try:
+        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
+        statuses = ("processing", "succeeded", "declined", "failed", "indeterminate", "returned", "refunded")
+        for status in statuses:
+            await insert_payment(conn, uuid.uuid4(), client, f"order-{status}", status)
+        before = [dict(r) for r in await conn.fetch("SELECT * FROM payment ORDER BY reference")]
+    finally:
+        await conn.close()
+
+    await migrate(scratch, "0011")
+
+    conn = await asyncpg.connect(scratch)
+    try:
+        after = [dict(r) for r in await conn.fetch("SELECT * FROM payment ORDER BY reference")]
+        new_columns = {"refunded_minor", "return_refund_minor"}
+        assert [{k: v for k, v in r.items() if k not in new_columns} for r in after] == before
+        refunded = {r["status"]: (r["refunded_minor"], r["return_refund_minor"]) for r in after}
+        # What our compensations refunded in full before client refunds existed; nothing else refunded.
+        assert refunded == {
+            "processing": (0, None), "succeeded": (0, None), "declined": (0, None), "indeterminate": (0, None),
+            "failed": (1250, None), "returned": (1250, 1250), "refunded": (1250, 1250),
+        }
+        with pytest.raises(asyncpg.CheckViolationError):  # the last line of defence against an over-refund
+            await conn.execute("UPDATE payment SET refunded_minor = amount_minor + 1 WHERE reference = 'order-succeeded'")
+        with pytest.raises(asyncpg.CheckViolationError):
+            await conn.execute("UPDATE payment SET refunded_minor = -1 WHERE reference = 'order-succeeded'")
+        payment = await conn.fetchval("SELECT id FROM payment WHERE reference = 'order-succeeded'")
+        insert = (
+            "INSERT INTO refund (id, payment_id, client_id, idempotency_key, reference, amount_minor, currency, "
+            "status, psp_charge_id, psp_refund_key, finished_at) "
+            "VALUES ($1, $2, $3, $4, 'rma-1', 100, 'EUR', $5, 'ch_1', 'k5', $6)"
+        )
+        await conn.execute(insert, uuid.uuid4(), payment, client, "k-1", "failed", datetime.now(UTC))
+        await conn.execute(insert, uuid.uuid4(), payment, client, "k-2", "pending", None)  # a failed one frees it
+        with pytest.raises(asyncpg.UniqueViolationError):  # the business identity: one live refund per reference
+            await conn.execute(insert, uuid.uuid4(), payment, client, "k-3", "succeeded", datetime.now(UTC))
+        with pytest.raises(asyncpg.CheckViolationError):  # a pending refund is not finished, a final one is
+            await conn.execute(insert.replace("'rma-1'", "'rma-2'"), uuid.uuid4(), payment, client, "k-4", "pending",
+                               datetime.now(UTC))
     finally:
         await conn.close()

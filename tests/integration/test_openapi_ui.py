@@ -43,6 +43,16 @@ async def test_the_document_shows_the_key_header_the_example_and_the_problem_typ
     assert "/problems/idempotency-key-reused" in document["info"]["description"]
     assert "application/problem+json" in create["responses"]["409"]["content"]
     assert {t for ops in document["paths"].values() for op in ops.values() for t in op.get("tags", [])} == {
-        "payments", "idempotency keys", "meta", "events", "rail",
+        "payments", "refunds", "idempotency keys", "meta", "events", "rail",
     }
+    refund = document["paths"]["/v1/payments/{payment_id}/refunds"]["post"]
+    [key] = [p for p in refund["parameters"] if p["name"] == "Idempotency-Key"]
+    assert key["required"] and key["example"]
+    # Real answers as examples: a 201 that succeeded or failed, a 202 pending, each problem of a 409.
+    assert set(refund["responses"]["201"]["content"]["application/json"]["examples"]) == {"succeeded", "failed"}
+    assert set(refund["responses"]["202"]["content"]["application/json"]["examples"]) == {"pending"}
+    assert set(refund["responses"]["409"]["content"]["application/problem+json"]["examples"]) == {
+        "request-in-progress", "duplicate-refund", "refund-exceeds-payment", "payment-not-refundable",
+    }
+    assert document["components"]["schemas"]["RefundRequest"]["examples"]
     assert "HTTPValidationError" not in str(document), "the API answers problem+json, never FastAPI's 422 shape"

@@ -15,4 +15,4 @@ def test_the_page_shows_every_phase_statement_with_its_fence_and_its_writes():
     for _, _, statement in statements.sections():
         assert statement.sql in page
         assert statement.sql.startswith("WITH fence AS (")
-    assert len(statements.sections()) == 6
+    assert len(statements.sections()) == 10
