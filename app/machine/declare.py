@@ -25,9 +25,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from prometheus_client import Counter
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.idempotency.key_table import KeyRow, Lease
+from app.observability import metrics
 from app.rails.outcomes import CallOutcome, ProbeOutcome
 
 if TYPE_CHECKING:
@@ -131,6 +133,11 @@ class Machine(Generic[S]):
     on_unpark: Callable[[AsyncConnection, Operation[S]], Awaitable[S]] = _unchanged
     # The fields every log line of this operation carries.
     log_fields: Callable[[S], dict[str, str]] = field(default=lambda subject: {})
+    # What the metrics count its new keys and its final statuses as: a
+    # payment's by default (a returned payout's compensation finishes its
+    # payment); a refund has counters of its own.
+    started: Counter = metrics.STARTED
+    finished: Counter = metrics.FINISHED
 
     def __post_init__(self) -> None:
         points = {*self.start.points, *(p for c in self.calls.values() for p in c.leads_to)}

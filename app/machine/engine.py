@@ -232,7 +232,7 @@ def report_finished(op: Operation[Any]) -> None:
     by the one process whose commit finished it.
     """
     bind(op)
-    metrics.child(metrics.FINISHED, op.subject.status).inc()
+    metrics.child(op.machine.finished, op.subject.status).inc()
     log.info("%s finished: %s", op.machine.name, op.subject.status)
 
 

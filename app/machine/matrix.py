@@ -71,7 +71,7 @@ async def submit(
     if row is None:
         op = await _start(services, machine, client_id=client_id, key=key, request_hash=request_hash, **start_args)
         if op is not None:
-            metrics.STARTED.inc()
+            machine.started.inc()
             reached(settings.payments_crash_at, f"after-commit-{op.recovery_point}")
             return Reply(await _drive_for_client(services, op))
         # A concurrent first attempt claimed the key between our read and

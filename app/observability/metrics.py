@@ -81,6 +81,17 @@ FINISHED = Counter(
     "Payments that reached a final status, counted once, by the process whose phase finished them.",
     ["status"], registry=REGISTRY,
 )
+REFUNDS_STARTED = Counter(
+    "refunds_started",
+    "New client refunds: an Idempotency-Key claimed at the refund endpoint (its refund reserved, or refused).",
+    registry=REGISTRY,
+)
+REFUNDS_FINISHED = Counter(
+    "refunds_finished",
+    "Client refunds that reached a final status (succeeded, failed), counted once, by the process whose phase "
+    "finished them.",
+    ["status"], registry=REGISTRY,
+)
 TAKEOVERS = Counter(
     "payments_takeovers",
     "Operations taken over after their lease ran out or was released (by a client retry or the worker), "

@@ -18,6 +18,7 @@ PSP's daily settlement report settles it (app/workers/refund_settlement.py).
 from __future__ import annotations
 
 from app.machine.declare import FINISHED, Call, Machine, Start
+from app.observability import metrics
 from app.payments.recovery_points import EXT5_SENT
 from app.payments.refunds import phases
 from app.payments.refunds.models import Refund
@@ -42,4 +43,6 @@ REFUND: Machine[Refund] = Machine(
     from_row=phases.from_row,
     on_park=phases.still_pending,
     log_fields=phases.log_fields,
+    started=metrics.REFUNDS_STARTED,
+    finished=metrics.REFUNDS_FINISHED,
 )
