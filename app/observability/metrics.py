@@ -82,12 +82,12 @@ FINISHED = Counter(
     ["status"], registry=REGISTRY,
 )
 REFUNDS_STARTED = Counter(
-    "refunds_started",
+    "payments_refunds_started",
     "New client refunds: an Idempotency-Key claimed at the refund endpoint (its refund reserved, or refused).",
     registry=REGISTRY,
 )
 REFUNDS_FINISHED = Counter(
-    "refunds_finished",
+    "payments_refunds_finished",
     "Client refunds that reached a final status (succeeded, failed), counted once, by the process whose phase "
     "finished them.",
     ["status"], registry=REGISTRY,
