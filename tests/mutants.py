@@ -223,6 +223,25 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "return-takes-all",
+        "a returned payout's compensation refunds only what the client's refunds left, never the whole charge again",
+        (
+            Edit(
+                "app/payments/returns.py",
+                "            send=lambda s, p: s.psp.refund(p.psp_refund_key, p, amount=p.return_refund_minor),",
+                "            send=lambda s, p: s.psp.refund(p.psp_refund_key, p, amount=p.amount_minor),  # MUTANT: all of it",
+            ),
+        ),
+        (
+            "tests/crash/test_returns.py::"
+            "test_a_return_after_a_client_refund_compensates_only_what_is_left_across_a_crash[the recovery worker]",
+        ),
+        still_pass=(
+            "tests/crash/test_returns.py::"
+            "test_a_crash_after_the_compensating_refund_was_sent_is_finished_with_that_one_refund[the recovery worker]",
+        ),
+    ),
+    Mutant(
         "duplicate-reference",
         "a reference belongs to one live payment: a second key for it is refused 409 duplicate-payment",
         (

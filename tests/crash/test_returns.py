@@ -152,3 +152,58 @@ async def test_a_notification_before_the_transfer_is_recorded_is_refused_until_i
     await assert_returned_once(http, stack, db, acme, key, body, retry.json())
     assert len(await charges(db, body["reference"])) == 1
     assert len(await transfers(db, body["reference"])) == 1
+
+
+@pytest.mark.parametrize("finisher", ["a redelivery", "the recovery worker"])
+async def test_a_return_after_a_client_refund_compensates_only_what_is_left_across_a_crash(
+    finisher, http, stack, db, acme, processes
+):
+    """The compensation's amount is what the client's refunds left, fixed when the return is recorded."""
+    key, body, created = await paid_out(http, stack, acme)
+    partial = await http.post(f"{stack.api}/v1/payments/{created['id']}/refunds",
+                              json={"amount": 400, "reference": "rma-before-return"},
+                              headers=headers(acme, str(uuid.uuid4())))
+    assert partial.status_code == 201 and partial.json()["status"] == "succeeded", partial.text
+    doomed = processes.api("doomed", PAYMENTS_CRASH_AT="after-call-EXT4", LEASE_SECONDS="1")
+    await notify(http, stack, doomed.url)
+    await return_payout(http, stack, created["end_to_end_reference"])
+    assert doomed.popen.wait(30) == 137, "the API died after the PSP refunded, before recording it"
+    [payment] = await payments_for(db, body["reference"])
+    assert payment["status"] == "returned" and payment["return_refund_minor"] == body["amount"] - 400
+    compensation = f"@return:{payment['return_id']}"
+    await lease_expired(db, acme.id, compensation)
+
+    if finisher == "the recovery worker":
+        processes.worker(**FAST_WORKER)
+    else:
+        [n] = await notifications(http, stack)
+        text = json.dumps(n["body"])
+        now = datetime.now(UTC)
+        sent = {"content-type": "application/json", "webhook-id": n["id"],
+                "webhook-timestamp": str(int(now.timestamp())),
+                "webhook-signature": Webhook(RAIL_SECRET).sign(n["id"], now, text)}
+        again = await http.post(stack.api + NOTIFICATIONS, content=text.encode(), headers=sent)
+        assert again.status_code == 200 and again.json()["outcome"] == "duplicate", again.text
+    await status_is(db, body["reference"], "refunded")
+
+    [payment] = await payments_for(db, body["reference"])
+    at_psp = await db.fetch("SELECT * FROM fake_psp.refund WHERE charge_id = $1 ORDER BY created_at",
+                            payment["psp_charge_id"])
+    assert [(r["amount"], r["idempotency_key"] == payment["psp_refund_key"]) for r in at_psp] == [
+        (400, False), (body["amount"] - 400, True),
+    ], "the client's refund, then one compensation of what it left"
+    assert not any(r["over_refund"] for r in at_psp)
+    assert await requests_at(db, "psp", idempotency_key=payment["psp_refund_key"]) == [
+        ("POST", "/v1/refunds"), ("GET", "/v1/refunds"),
+    ], "the resumer probed by K4, found the refund, and sent nothing"
+    assert payment["refunded_minor"] == body["amount"]
+    balances = await db.fetch(
+        "SELECT account, sum(debit_minor) - sum(credit_minor) AS balance FROM ledger_entry "
+        "WHERE payment_id = $1 GROUP BY account", payment["id"])
+    assert {r["account"]: r["balance"] for r in balances} == {
+        "psp_receivable": 0, "beneficiary_payable": 0, "fee_revenue": 0, "rail_settlement": 0,
+        "client_receivable": 0,
+    }, "every account of the payment back at zero"
+    refused = await http.post(f"{stack.api}/v1/payments/{created['id']}/refunds", json={"reference": "late"},
+                              headers=headers(acme, str(uuid.uuid4())))
+    assert refused.status_code == 409 and refused.json()["type"] == "/problems/payment-not-refundable"
