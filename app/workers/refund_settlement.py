@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from app.db.errors import database_unavailable, describe, loggable
 from app.db.transaction import atomic, read
@@ -40,6 +40,11 @@ from app.workers import pause
 log = logging.getLogger(__name__)
 
 ONE_DAY = timedelta(days=1)
+# How far back a pass reads the PSP's reports: a refund settles within days
+# of being made. One parked for longer than this is left to the worker's
+# re-probe and to a person (docs/refunds.md), rather than have every pass
+# fetch a report for every day since.
+REPORT_DAYS = 14
 
 
 async def settle_parked_refunds(services: Services) -> dict[str, int]:
@@ -49,7 +54,8 @@ async def settle_parked_refunds(services: Services) -> dict[str, int]:
     if not parked:
         return dict(counts)
     today = datetime.now(UTC).date()
-    first = min(refund.created_at.astimezone(UTC).date() for refund, _ in parked)
+    first = max(min(refund.created_at.astimezone(UTC).date() for refund, _ in parked),
+                today - (REPORT_DAYS - 1) * ONE_DAY)
     settled: dict[str, SettledRefund] = {}
     day = first
     while day <= today:
