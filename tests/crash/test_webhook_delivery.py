@@ -307,3 +307,23 @@ async def test_a_worker_survives_without_its_merchant(http, stack, db, shop, pro
     await until(refused, "an attempt refused at connect")
     assert (await delivery(db, event_id))["state"] == "pending", "retried later, not lost"
     assert worker.poll() is None, "the worker is still running"
+
+
+async def test_a_refunds_event_is_signed_and_delivered_to_the_merchant_once(http, stack, db, shop, merchant, processes):
+    payment, _ = await pay(http, stack, shop, db)
+    answer = await http.post(f"{stack.api}/v1/payments/{payment['id']}/refunds",
+                             json={"amount": 300, "reference": "rma-hook"}, headers=headers(shop, str(uuid.uuid4())))
+    assert answer.status_code == 201, answer.text
+    event_id = await db.fetchval("SELECT id FROM event WHERE payment_id = $1 AND type = 'refund.succeeded'",
+                                 uuid.UUID(payment["id"]))
+
+    processes.worker(**FAST)
+    await in_state(db, event_id, "delivered")
+
+    [got] = await received(db, event_id)
+    assert got["status_code"] == 200 and got["outcome"] == "applied"
+    assert await inbox(db, event_id) == 1
+    # The merchant applied it under its type; the event carries the refund as the API answered it.
+    assert await db.fetchval("SELECT type FROM fake_merchant.processed_message WHERE webhook_id = $1",
+                             str(event_id)) == "refund.succeeded"
+    assert json.loads(await db.fetchval("SELECT data::text FROM event WHERE id = $1", event_id)) == answer.json()
