@@ -2,8 +2,9 @@
 
     /console                     recent operations, filterable, paged by keyset
     /console/payments/{id}       one operation: its timeline as a diagram, the
-                                 payment, its ledger (balanced?), the PSP's and
-                                 the rail's records for it
+                                 payment and what is left to refund, its ledger
+                                 (balanced?), the PSP's and the rail's records
+                                 for it, its refunds (each with its own timeline)
     /console/parked              the parked (indeterminate) queue, and the backlog
     /console/reconciliation      reconciliation runs and breaks
     /console/webhooks            webhook deliveries by state: dead (for a
@@ -256,9 +257,14 @@ async def operation(request: Request, payment_id: str, services: Services = Oper
     held = await records.records(services.psp, services.rail, found.payment, rail_deduplicates=deduplicates)
     diagram = timeline.layout(found.timeline, found.payment, finished=found.row.state == "finished",
                               lease_live=found.row.lease_live)
+    # Each refund's own key row drawn the same way, its K5 read from the refund
+    # row; none once the key is reaped (the refund row stays, its history goes).
+    refunds = [(r, None if r["key_row"] is None else timeline.layout(
+        r["key_row"]["timeline"], r, finished=r["key_row"]["state"] == "finished",
+        lease_live=r["key_row"]["lease_live"])) for r in found.refunds]
     return page(request, "operation.html", {
         "nav": "operations", "op": found, "p": found.payment, "records": held, "diagram": diagram,
-        "legacy": not deduplicates, "events": events,
+        "legacy": not deduplicates, "events": events, "refunds": refunds,
     })
 
 
