@@ -254,7 +254,8 @@ async def operation(request: Request, payment_id: str, services: Services = Oper
     # The reads are done and their connection is back in the pool: only now the PSP and the rail.
     deduplicates = services.rail.deduplicates(_IbanOnly(found.payment.get("beneficiary_iban", "")))
     events = await read(services.engine, queries.payment_events, pid)
-    held = await records.records(services.psp, services.rail, found.payment, rail_deduplicates=deduplicates)
+    held = await records.records(services.psp, services.rail, found.payment, rail_deduplicates=deduplicates,
+                                 refunds=found.refunds)
     diagram = timeline.layout(found.timeline, found.payment, finished=found.row.state == "finished",
                               lease_live=found.row.lease_live)
     # Each refund's own key row drawn the same way, its K5 read from the refund

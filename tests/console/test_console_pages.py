@@ -311,6 +311,8 @@ async def test_a_payments_refunds_show_on_its_page_each_with_its_timeline_and_wh
     # Only the succeeded refund holds money: 25.00 refunded, 75.00 left.
     assert '<dd id="refunded">25.00 EUR' in html and '<dd id="refundable">75.00 EUR' in html
     assert refused_key in html.split('id="refused-refunds"')[1] and "refused: refund-exceeds-payment" in html
+    # Asked by K5, the PSP holds each refund as our row names it: with the charge and the transfer, four.
+    assert html.count('<tr class="record client refund">') == 2 and html.count("the same record") == 4
     # A refund's key row is not a compensation, and the list still shows the payment once.
     assert "<h2>Compensation</h2>" not in html
     listed = (await http.get(console_api.url + "/console", headers=OPERATOR)).text
