@@ -44,9 +44,11 @@ async def refund_keys(db, payment_id: str) -> list[str]:
 async def test_a_refund_is_made_once_under_the_key_stored_before_its_first_attempt_and_read_back_typed(
     http, stack, db, acme, tmp_path
 ):
-    payment = await paid(http, stack, acme)
     store = tmp_path / "client.json"
     with sdk(stack, acme, store) as client:
+        # The payment through the same client (its POST loop is the one refunds share).
+        payment = await asyncio.to_thread(client.pay, "order-1", payment_body(amount=10_000))
+        assert payment["status"] == "succeeded"
         refund = await asyncio.to_thread(client.create_refund, payment["id"], 2500, reference="rma-1", reason="returned")
         assert (refund.status, refund.amount, refund.reference, refund.reason) == ("succeeded", 2500, "rma-1", "returned")
         stored = json.loads(store.read_text())["operations"][client.refund_operation(payment["id"], "rma-1")]
