@@ -28,7 +28,9 @@ from typing import Any
 
 
 class OperationStore:
-    """Operations by id: `{"key", "payment", "state": "pending" | "done" | "refused", ...}`."""
+    """Operations by id: `{"key", "payment", "state": "pending" | "done" | "refused", ...}`.
+
+    `payment` is the request's body: a payment's, or a refund's (PaymentsClient.create_refund)."""
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)

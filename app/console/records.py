@@ -2,7 +2,7 @@
 
 The console uses the rails clients' own probes (app/rails/gateways.py): the
 charge and the refund by their derived keys K1 and K3, the transfer by its
-end-to-end reference. So it shows exactly what the service itself would learn
+end-to-end reference, and each of the client's refunds by its K5. So it shows exactly what the service itself would learn
 if it resumed the payment now, from the real PSP or rail as from the fakes,
 and never anything a fake alone could tell.
 
@@ -15,12 +15,12 @@ something undocumented shows as "unavailable", and the page renders anyway.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from app.rails.gateways import PSP, Rail
-from app.rails.outcomes import Applied, NotFound, ProbeOutcome, Unknown
+from app.rails.outcomes import Applied, NotFound, ProbeOutcome, Settling, Unknown
 
 # A console page should not wait on a slow rail for the rail's full call timeout.
 ASK_TIMEOUT_SECONDS = 3.0
@@ -31,7 +31,7 @@ class Record:
     system: str  # "PSP" or "rail"
     what: str  # "charge", "transfer", "refund"
     asked_by: str  # "K1 ab12…", "end-to-end reference …"
-    found: str  # "found" | "no record" | "unavailable" | "not asked"
+    found: str  # "found" | "settling" | "no record" | "unavailable" | "not asked"
     id: str | None = None
     status: str | None = None
     reason: str | None = None  # decline code, reject reason; or why unavailable / not asked
@@ -45,8 +45,10 @@ class Record:
         return self.id == self.ours
 
 
-async def records(psp: PSP, rail: Rail, payment: dict[str, Any], *, rail_deduplicates: bool) -> list[Record]:
-    """The charge, the transfer and the refund (where the payment has a key for them), asked at once."""
+async def records(psp: PSP, rail: Rail, payment: dict[str, Any], *, rail_deduplicates: bool,
+                  refunds: Sequence[dict[str, Any]] = ()) -> list[Record]:
+    """The charge, the transfer, the refund (where the payment has a key for them) and each client refund
+    in `refunds` (rows with their K5), asked at once."""
     asks: list[tuple[Record, Awaitable[ProbeOutcome] | None]] = []
     charge_key = payment.get("psp_charge_key")
     if charge_key:
@@ -65,6 +67,10 @@ async def records(psp: PSP, rail: Rail, payment: dict[str, Any], *, rail_dedupli
     if refund_key:
         asks.append((Record("PSP", "refund", f"K3 {refund_key}", "", ours=payment.get("psp_refund_id")),
                      psp.find_refund(refund_key)))
+    for refund in refunds:
+        # One the PSP holds as pending answers Settling: shown as "settling", never as an error.
+        asks.append((Record("PSP", "client refund", f"K5 {refund['psp_refund_key']}", "",
+                            ours=refund.get("psp_refund_id")), psp.find_client_refund(refund["psp_refund_key"])))
     answers = await asyncio.gather(*(_bounded(ask) for _, ask in asks))
     return [_record(base, answer) for (base, _), answer in zip(asks, answers)]
 
@@ -86,10 +92,12 @@ def _record(base: Record, answer: ProbeOutcome | None) -> Record:
         return base
     if isinstance(answer, Applied):
         r = answer.record
-        reason = getattr(r, "decline_code", None) or getattr(r, "reject_reason", None)
+        reason = getattr(r, "decline_code", None) or getattr(r, "reject_reason", None) or getattr(r, "failure_code", None)
         return _replace(base, found="found", id=r.id, status=r.status, reason=reason)
     if isinstance(answer, NotFound):
         return _replace(base, found="no record")
+    if isinstance(answer, Settling):
+        return _replace(base, found="settling", reason=answer.reason)
     return _replace(base, found="unavailable", reason=answer.reason if isinstance(answer, Unknown) else None)
 
 

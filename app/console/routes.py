@@ -2,8 +2,9 @@
 
     /console                     recent operations, filterable, paged by keyset
     /console/payments/{id}       one operation: its timeline as a diagram, the
-                                 payment, its ledger (balanced?), the PSP's and
-                                 the rail's records for it
+                                 payment and what is left to refund, its ledger
+                                 (balanced?), the PSP's and the rail's records
+                                 for it, its refunds (each with its own timeline)
     /console/parked              the parked (indeterminate) queue, and the backlog
     /console/reconciliation      reconciliation runs and breaks
     /console/webhooks            webhook deliveries by state: dead (for a
@@ -253,12 +254,18 @@ async def operation(request: Request, payment_id: str, services: Services = Oper
     # The reads are done and their connection is back in the pool: only now the PSP and the rail.
     deduplicates = services.rail.deduplicates(_IbanOnly(found.payment.get("beneficiary_iban", "")))
     events = await read(services.engine, queries.payment_events, pid)
-    held = await records.records(services.psp, services.rail, found.payment, rail_deduplicates=deduplicates)
+    held = await records.records(services.psp, services.rail, found.payment, rail_deduplicates=deduplicates,
+                                 refunds=found.refunds)
     diagram = timeline.layout(found.timeline, found.payment, finished=found.row.state == "finished",
                               lease_live=found.row.lease_live)
+    # Each refund's own key row drawn the same way, its K5 read from the refund
+    # row; none once the key is reaped (the refund row stays, its history goes).
+    refunds = [(r, None if r["key_row"] is None else timeline.layout(
+        r["key_row"]["timeline"], r, finished=r["key_row"]["state"] == "finished",
+        lease_live=r["key_row"]["lease_live"])) for r in found.refunds]
     return page(request, "operation.html", {
         "nav": "operations", "op": found, "p": found.payment, "records": held, "diagram": diagram,
-        "legacy": not deduplicates, "events": events,
+        "legacy": not deduplicates, "events": events, "refunds": refunds,
     })
 
 

@@ -3,7 +3,8 @@
 Where it sits: behind the console's operation page (app/console/routes.py).
 The key row's `timeline` holds one entry per commit; the external calls,
 never recorded by themselves, are drawn from what is durable: an entry at a
-SENT point, the derived key on the payment row, and the entry that follows.
+SENT point, the derived key on the payment row (on the refund row, for a
+client's refund), and the entry that follows.
 `layout` turns that into rows with coordinates; templates/timeline.svg draws
 them. Pure functions of the rows, so they are unit-tested without a browser.
 docs/console.md#one-operation explains how to read the diagram.
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT
+from app.payments.recovery_points import EXT1_SENT, EXT2_SENT, EXT3_SENT, EXT5_SENT
 
 
 @dataclass(frozen=True)
@@ -23,18 +24,22 @@ class CallSpec:
     system: str  # "psp" or "rail"
     what: str
     key_label: str
-    key_field: str  # the payment row's column holding the derived key
+    key_field: str  # the subject's (payment's, refund's) column holding the derived key
     id_field: str  # ... and the one holding the external record's id
     outcomes: frozenset[str]  # the timeline events that record this call's applied outcome
+    reason_field: str | None = None  # ... and the one saying why it went against us (declined, failed)
 
 
 CALLS = {
     EXT1_SENT: CallSpec("psp", "charge", "K1", "psp_charge_key", "psp_charge_id",
-                        frozenset({"charge succeeded", "charge declined"})),
+                        frozenset({"charge succeeded", "charge declined"}), "decline_code"),
     EXT2_SENT: CallSpec("rail", "transfer", "K2", "rail_transfer_key", "rail_transfer_id",
-                        frozenset({"transfer accepted", "transfer rejected"})),
+                        frozenset({"transfer accepted", "transfer rejected"}), "reject_reason"),
     EXT3_SENT: CallSpec("psp", "refund", "K3", "psp_refund_key", "psp_refund_id",
                         frozenset({"charge refunded"})),
+    # A client's refund (app/payments/refunds/refund.py): its keys are on the refund row.
+    EXT5_SENT: CallSpec("psp", "refund the card", "K5", "psp_refund_key", "psp_refund_id",
+                        frozenset({"refund succeeded", "refund failed"}), "failure_code"),
 }
 
 # What kind of step each event is: the colour and shape it is drawn with.
@@ -45,6 +50,8 @@ KINDS = {
     "transfer accepted": "commit",
     "transfer rejected": "commit",
     "charge refunded": "commit",
+    "refund succeeded": "commit",
+    "refund failed": "commit",
     "taken over": "takeover",
     "outcome unknown, released": "release",
     "stopping, released": "release",
@@ -104,7 +111,8 @@ class Diagram:
 
 
 def layout(timeline: list[dict[str, Any]], payment: dict[str, Any], *, finished: bool, lease_live: bool) -> Diagram:
-    """Rows, top to bottom, of one operation's history; `payment` is the payment row."""
+    """Rows, top to bottom, of one operation's history; `payment` is the row its calls' keys are on
+    (the payment's, or a client refund's)."""
     events: list[EventRow] = []
     calls: list[CallRow] = []
     bands: list[Band] = []
@@ -112,7 +120,8 @@ def layout(timeline: list[dict[str, Any]], payment: dict[str, Any], *, finished:
     start = _when(timeline[0]["at"]) if timeline else None
     for i, entry in enumerate(timeline):
         event = str(entry.get("event", ""))
-        kind = KINDS.get(event, "other")
+        # A refusal ("refused: refund-exceeds-payment") is the commit that finishes a refused request.
+        kind = KINDS.get(event, "commit" if event.startswith("refused: ") else "other")
         attempt = int(entry.get("attempt", 0))
         if kind in ("takeover", "unpark"):
             before = int(timeline[i - 1].get("attempt", 0)) if i else 0
@@ -149,8 +158,7 @@ def _call_after(entry: dict[str, Any], following: dict[str, Any] | None, payment
         f"then {spec.what} with {spec.key_label} only if not found")
     if following_event in spec.outcomes:
         record_id = payment.get(spec.id_field) or "-"
-        reason = payment.get("decline_code") or payment.get("reject_reason") if following_event in (
-            "charge declined", "transfer rejected") else None
+        reason = payment.get(spec.reason_field) if spec.reason_field else None
         outcome = f"{following_event.split()[-1]} · {record_id}" + (f" ({reason})" if reason else "")
         return spec.system, LANE_X[spec.system], what, key, outcome, "applied", resumed
     if following_event in ("outcome unknown, released", "parked"):

@@ -22,6 +22,8 @@ PAGE_SIZE = 50
 # The endpoint a client's payment is claimed under (app/payments/payment.py::PAYMENT,
 # not imported: the read model sits beside the payments package, not above it).
 PAYMENT_ENDPOINT = "POST /v1/payments"
+# ... and the one a client's refund of it is (app/payments/refunds/refund.py::REFUND).
+REFUND_ENDPOINT = "POST /v1/payments/{id}/refunds"
 STATES = ("started", "finished")
 
 
@@ -166,6 +168,24 @@ class Operation:
     # Operations started for this payment after it finished: the card refund
     # that compensates a payout the rail returned (app/payments/returns.py).
     compensations: list[dict[str, Any]] = field(default_factory=list)
+    # The client's refunds of it, oldest first, each with its key row (None
+    # once the key is reaped), and the refund requests refused under a key
+    # of their own (a stored 409: nothing was reserved, no refund exists).
+    refunds: list[dict[str, Any]] = field(default_factory=list)
+    refused_refunds: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def refunded_minor(self) -> int:
+        """Refunded or reserved by a refund in flight: client refunds and a return's compensation alike."""
+        return int(self.payment.get("refunded_minor") or 0)
+
+    @property
+    def refundable_minor(self) -> int:
+        """What a new refund may still take: the rest of the amount, and only of a succeeded payment
+        (the same rule the reservation applies, app/payments/refunds/phases.py::CLAIM_REFUND)."""
+        if self.payment.get("status") != "succeeded":
+            return 0
+        return int(self.payment["amount_minor"]) - self.refunded_minor
 
     @property
     def totals(self) -> dict[str, tuple[int, int]]:
@@ -197,6 +217,7 @@ _OPERATION = text(
                'psp_charge_key', p.psp_charge_key, 'psp_charge_id', p.psp_charge_id, 'decline_code', p.decline_code,
                'rail_transfer_key', p.rail_transfer_key, 'rail_transfer_id', p.rail_transfer_id,
                'reject_reason', p.reject_reason, 'psp_refund_key', p.psp_refund_key, 'psp_refund_id', p.psp_refund_id,
+               'refunded_minor', p.refunded_minor,
                'payout_instructed_at', p.payout_instructed_at, 'created_at', p.created_at, 'updated_at', p.updated_at
            ) AS payment,
            coalesce((SELECT jsonb_agg(jsonb_build_object(
@@ -211,7 +232,38 @@ _OPERATION = text(
                         'attempts', x.attempts, 'parked', x.parked_at IS NOT NULL, 'last_error', x.last_error,
                         'timeline', x.timeline) ORDER BY x.created_at)
                        FROM idempotency_key x
-                      WHERE x.payment_id = p.id AND x.endpoint <> '{PAYMENT_ENDPOINT}'), '[]') AS compensations
+                      WHERE x.payment_id = p.id
+                        AND x.endpoint NOT IN ('{PAYMENT_ENDPOINT}', '{REFUND_ENDPOINT}')), '[]') AS compensations,
+           -- A refund's key row is the one its key names, if the refund is the
+           -- newest under that key (an older one's row was reaped and the key
+           -- used again: app/payments/refunds/phases.py::load reads it the same way).
+           coalesce((SELECT jsonb_agg(jsonb_build_object(
+                        'id', r.id, 'reference', r.reference, 'reason', r.reason, 'amount_minor', r.amount_minor,
+                        'currency', r.currency, 'status', r.status, 'failure_code', r.failure_code,
+                        'psp_refund_key', r.psp_refund_key, 'psp_refund_id', r.psp_refund_id,
+                        'created_at', r.created_at, 'finished_at', r.finished_at, 'key', x.key,
+                        'key_row', CASE WHEN x.key IS NULL THEN NULL ELSE jsonb_build_object(
+                            'state', x.state, 'recovery_point', x.recovery_point, 'attempts', x.attempts,
+                            'lease_live', coalesce(x.lease_expires_at > now(), false),
+                            'parked', x.parked_at IS NOT NULL, 'last_error', x.last_error,
+                            'response_code', x.response_code, 'timeline', x.timeline) END)
+                        ORDER BY r.id)
+                       FROM refund r
+                       LEFT JOIN idempotency_key x
+                         ON x.client_id = r.client_id AND x.key = r.idempotency_key
+                        AND x.endpoint = '{REFUND_ENDPOINT}' AND x.payment_id = r.payment_id
+                        AND NOT EXISTS (SELECT 1 FROM refund n WHERE n.client_id = r.client_id
+                                           AND n.idempotency_key = r.idempotency_key
+                                           AND n.payment_id = r.payment_id AND n.id > r.id)
+                      WHERE r.payment_id = p.id), '[]') AS refunds,
+           coalesce((SELECT jsonb_agg(jsonb_build_object(
+                        'key', x.key, 'response_code', x.response_code, 'created_at', x.created_at,
+                        'timeline', x.timeline) ORDER BY x.created_at)
+                       FROM idempotency_key x
+                      WHERE x.payment_id = p.id AND x.endpoint = '{REFUND_ENDPOINT}'
+                        AND NOT EXISTS (SELECT 1 FROM refund n WHERE n.client_id = x.client_id
+                                           AND n.idempotency_key = x.key AND n.payment_id = x.payment_id)),
+                    '[]') AS refused_refunds
       FROM payment p
       JOIN idempotency_key k ON k.client_id = p.client_id AND k.payment_id = p.id
                             AND k.endpoint = '{PAYMENT_ENDPOINT}'
@@ -221,7 +273,7 @@ _OPERATION = text(
 )
 _OPERATION_FIELDS = {
     "endpoint", "next_attempt_at", "response_code", "finished_at", "timeline", "payment", "ledger", "breaks",
-    "compensations",
+    "compensations", "refunds", "refused_refunds",
 }
 
 
@@ -244,6 +296,8 @@ async def operation(conn: AsyncConnection, payment_id: uuid.UUID) -> Operation |
         ledger=ledger,
         breaks=row["breaks"],
         compensations=row["compensations"],
+        refunds=row["refunds"],
+        refused_refunds=row["refused_refunds"],
     )
 
 

@@ -262,3 +262,59 @@ async def test_a_returned_payout_shows_once_in_the_list_and_its_compensation_on_
     assert page.status_code == 200
     assert "Compensation" in page.text and f"@return:{returned.json()['return_id']}" in page.text
     assert "payout_returned" in page.text and ">refunded</span>" in page.text
+
+
+async def test_a_payments_refunds_show_on_its_page_each_with_its_timeline_and_what_is_left_to_refund(
+    http, stack, console_api, db, acme
+):
+    paid = await http.post(f"{stack.api}/v1/payments", json=payment_body(amount=10_000),
+                           headers=headers(acme, str(uuid.uuid4())))
+    assert paid.status_code == 201 and paid.json()["status"] == "succeeded", paid.text
+    payment_id = paid.json()["id"]
+    refunds = f"{stack.api}/v1/payments/{payment_id}/refunds"
+    # The first refund is pending at the PSP, then settles as failed: the
+    # retry with the same key probes by K5 and records the failure.
+    (await http.put(stack.psp.url + "/_admin/faults", json={"faults": [
+        {"action": "pending", "operation": "refund", "seconds": 0, "settles_as": "failed"}]})).raise_for_status()
+    failed_key = str(uuid.uuid4())
+    body = {"amount": 3000, "reference": "rma-1", "reason": "parcel <lost>"}
+    first = await http.post(refunds, json=body, headers=headers(acme, failed_key))
+    assert first.status_code == 202 and first.json()["status"] == "pending", first.text
+    failed = await http.post(refunds, json=body, headers=headers(acme, failed_key))
+    assert failed.status_code == 201 and failed.json()["status"] == "failed", failed.text
+    succeeded = await http.post(refunds, json={"amount": 2500, "reference": "rma-2"},
+                                headers=headers(acme, str(uuid.uuid4())))
+    assert succeeded.status_code == 201 and succeeded.json()["status"] == "succeeded", succeeded.text
+    refused_key = str(uuid.uuid4())
+    refused = await http.post(refunds, json={"amount": 9000, "reference": "rma-3"}, headers=headers(acme, refused_key))
+    assert refused.status_code == 409 and refused.json()["type"].endswith("/refund-exceeds-payment")
+
+    page = await http.get(f"{console_api.url}/console/payments/{payment_id}", headers=OPERATOR)
+
+    assert page.status_code == 200
+    html = page.text
+    assert "<h2>Refunds</h2>" in html
+    rows = {r["id"]: r for r in await db.fetch("SELECT * FROM refund WHERE payment_id = $1", uuid.UUID(payment_id))}
+    assert set(map(str, rows)) == {failed.json()["id"], succeeded.json()["id"]}
+    for refund_id, row in rows.items():
+        row_html = html.split(f'id="refund-{refund_id}"')[1].split("</tr>")[0]
+        assert f">{row['status']}</span>" in row_html and row["psp_refund_key"] not in row_html
+        assert (row["failure_code"] or "-") in row_html
+        # Each refund's key row drawn as a diagram of its own: the K5 call and how it ended.
+        svg = html.split(f'id="timeline-refund-{refund_id}"')[1].split("</svg>")[0]
+        assert "refund the card with K5" in svg and row["psp_refund_key"][:16] in svg
+        assert f"{row['status']} · {row['psp_refund_id']}" in svg
+    failed_svg = html.split(f'id="timeline-refund-{failed.json()["id"]}"')[1].split("</svg>")[0]
+    assert "no applied answer: released, retried later" in failed_svg, "the pending answer, then the retry's probe"
+    assert "probe by K5, then refund the card with K5 only if not found" in failed_svg
+    assert "rma-1" in html and "parcel &lt;lost&gt;" in html and "30.00 EUR" in html and "25.00 EUR" in html
+    # Only the succeeded refund holds money: 25.00 refunded, 75.00 left.
+    assert '<dd id="refunded">25.00 EUR' in html and '<dd id="refundable">75.00 EUR' in html
+    assert refused_key in html.split('id="refused-refunds"')[1] and "refused: refund-exceeds-payment" in html
+    # Asked by K5, the PSP holds each refund as our row names it: with the charge and the transfer, four.
+    assert html.count('<tr class="record client refund">') == 2 and html.count("the same record") == 4
+    # A refund's key row is not a compensation, and the list still shows the payment once.
+    assert "<h2>Compensation</h2>" not in html
+    listed = (await http.get(console_api.url + "/console", headers=OPERATOR)).text
+    assert listed.count(f'href="/console/payments/{payment_id}"') == 1
+    assert failed_key not in listed and refused_key not in listed

@@ -82,3 +82,28 @@ def test_the_read_model_names_the_payment_endpoint_the_service_claims_under():
     from app.readmodel.queries import PAYMENT_ENDPOINT
 
     assert PAYMENT_ENDPOINT == MACHINE.endpoint
+
+
+def test_a_client_refund_is_drawn_from_its_refund_row_with_k5_and_the_psps_failure_code():
+    refund = {"psp_refund_key": "k5" * 32, "psp_refund_id": "re_1", "failure_code": "card_closed"}
+    timeline = [
+        entry("claimed", "EXT5_SENT", 1, 0),
+        entry("outcome unknown, released", "EXT5_SENT", 1, 1),
+        entry("taken over", "EXT5_SENT", 2, 2),
+        entry("refund failed", "finished", 2, 3),
+    ]
+
+    d = layout(timeline, refund, finished=True, lease_live=False)
+
+    assert [e.kind for e in d.events] == ["commit", "release", "takeover", "commit"]
+    assert [(c.system, c.what, c.result) for c in d.calls] == [
+        ("psp", "refund the card with K5", "unknown"),
+        ("psp", "probe by K5, then refund the card with K5 only if not found", "applied"),
+    ]
+    assert d.calls[1].outcome == "failed · re_1 (card_closed)" and d.calls[1].key.startswith("K5 k5k5")
+
+
+def test_a_refused_refund_is_the_commit_that_finished_it_and_calls_nothing():
+    d = layout([entry("refused: refund-exceeds-payment", "finished", 1, 0)], {}, finished=True, lease_live=False)
+
+    assert [e.kind for e in d.events] == ["commit"] and d.calls == []
