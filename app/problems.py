@@ -83,7 +83,7 @@ PAYMENT_NOT_REFUNDABLE = _t(
     "payment-not-refundable", 409, "The payment cannot be refunded",
     "Only a payment that succeeded (charged, and paid out) can be refunded by its client: this "
     "one was declined or failed (nothing to refund), is still in flight (retry once it is final), "
-    "or its payout was returned and the charge is being refunded in full already. `status` "
+    "or its payout was returned and the charge is being refunded in full already. `payment_status` "
     "names its status. Nothing was refunded.",
 )
 IDEMPOTENCY_KEY_REUSED = _t(
@@ -199,7 +199,15 @@ class ProblemError(Exception):
         return problem_body(self.problem, self.detail, instance=instance, **self.extensions)
 
 
+# The members RFC 9457 defines: an extension of the same name would change
+# what they mean to every client (a `status` that is not the HTTP status).
+STANDARD_MEMBERS = frozenset({"type", "title", "status", "detail", "instance"})
+
+
 def problem_body(problem: ProblemType, detail: str, *, instance: str | None = None, **extensions: Any) -> dict[str, Any]:
+    clash = STANDARD_MEMBERS & extensions.keys()
+    if clash:
+        raise ValueError(f"a problem's extensions may not replace its standard members: {sorted(clash)}")
     body: dict[str, Any] = {"type": problem.uri, "title": problem.title, "status": problem.status, "detail": detail}
     if instance:
         body["instance"] = instance

@@ -117,7 +117,7 @@ class PaymentNotRefundable(ProblemError):
     def __init__(self, status: int, problem: dict[str, Any]) -> None:
         super().__init__(status, problem)
         # The problem names the payment's status in its `status` member.
-        named = problem.get("payment_status", problem.get("status"))
+        named = problem.get("payment_status")
         self.payment_status: str | None = named if isinstance(named, str) else None
 
 

@@ -160,7 +160,7 @@ async def test_a_declined_payment_is_not_refundable_and_nothing_is_stored(http, 
     assert declined.json()["status"] == "declined"
     answer = await refund(http, stack.api, acme, declined.json()["id"], {"reference": "r"}, key)
     assert answer.status_code == 409 and answer.json()["type"] == "/problems/payment-not-refundable"
-    assert answer.json()["status"] == "declined"
+    assert answer.json()["status"] == 409 and answer.json()["payment_status"] == "declined"
     assert await key_row(db, acme.id, key) is None
 
 

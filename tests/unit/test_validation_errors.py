@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
@@ -44,3 +46,12 @@ def test_a_body_with_a_few_errors_lists_them_all_and_omits_nothing():
         ("body", "amount"), ("body", "currency"), ("body", "reference"), ("body", "card_token"), ("body", "beneficiary"),
     }
     assert "errors_omitted" not in problem
+
+
+def test_a_problem_extension_can_never_replace_a_standard_member():
+    """A payment's status sent as `status` once replaced the HTTP status (409) in a refund's problem."""
+    from app.problems import PAYMENT_NOT_REFUNDABLE, problem_body
+
+    with pytest.raises(ValueError, match="status"):
+        problem_body(PAYMENT_NOT_REFUNDABLE, "payment p is declined", status="declined")
+    assert problem_body(PAYMENT_NOT_REFUNDABLE, "d", payment_status="declined")["status"] == 409

@@ -171,7 +171,7 @@ async def claim_refund(
 
 def _refusal(payment_id: uuid.UUID, status: str | None, remaining: int, amount: int | None) -> ProblemError:
     if status != "succeeded":
-        return ProblemError(PAYMENT_NOT_REFUNDABLE, f"payment {payment_id} is {status}", status=status)
+        return ProblemError(PAYMENT_NOT_REFUNDABLE, f"payment {payment_id} is {status}", payment_status=status)
     wanted = "everything left" if amount is None else f"{amount}"
     return ProblemError(
         REFUND_EXCEEDS_PAYMENT, f"asked to refund {wanted}; {remaining} is left to refund",

@@ -50,7 +50,7 @@ async def submit_refund(
         payment = await payment_of(services, client_id, payment_id)
         if payment.status != "succeeded":
             raise ProblemError(PAYMENT_NOT_REFUNDABLE, f"payment {payment.id} is {payment.status}",
-                               status=payment.status)
+                               payment_status=payment.status)
     return await matrix.submit(
         services, REFUND, client_id, key, request_hash, row=row, payment_id=payment_id, request=request,
     )
