@@ -155,7 +155,8 @@ async def test_a_crash_before_a_failed_refund_is_recorded_gives_the_reservation_
     payment = await paid(http, stack, acme)
     pid = uuid.UUID(payment["id"])
     key, body = str(uuid.uuid4()), {"amount": AMOUNT, "reference": f"rma-{uuid.uuid4()}"}
-    await set_faults(http, stack.psp, {"action": "pending", "operation": "refund", "seconds": 0, "settles_as": "failed"})
+    await set_faults(http, stack.psp,
+                     {"action": "pending", "operation": "refund", "seconds": 0, "settles_as": "failed"})
     doomed = processes.api("doomed", PAYMENTS_CRASH_AT="after-call-EXT5", **DOOMED)
     first = await http.post(refund_url(doomed.url, payment), json=body, headers=headers(acme, key))
     assert first.status_code == 202 and first.json()["status"] == "pending", first.text

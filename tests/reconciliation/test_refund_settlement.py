@@ -23,8 +23,9 @@ pytestmark = pytest.mark.usefixtures("stack")
 
 AMOUNT = 2500
 ATTEMPTS = 3  # the API's send, then two polls by the worker
-# The worker polls quickly and parks after ATTEMPTS; it neither re-probes
-# the parked refund nor reads the report within a test (both an hour away).
+# The worker polls quickly and parks after ATTEMPTS. Its re-probe of the
+# parked refund and its next reading of the report are an hour away (it
+# reads the report once as it starts, when nothing is parked yet).
 POLLING_WORKER = {
     "MAX_ATTEMPTS": str(ATTEMPTS), "BACKOFF_BASE_SECONDS": "0.05", "PARKED_RECHECK_SECONDS": "3600",
     "RECONCILE_EVERY_SECONDS": "3600", "WORKER_MIN_AGE_SECONDS": "0", "WORKER_POLL_SECONDS": "0.1",
@@ -105,7 +106,7 @@ async def test_a_parked_refund_the_psp_settled_is_settled_once_from_its_report(
 ):
     payment, key, body = await parked_refund(http, stack, db, acme, processes, settles_as=status)
     pid = uuid.UUID(payment["id"])
-    k5 = (await db.fetchval("SELECT psp_refund_key FROM refund WHERE payment_id = $1", pid))
+    k5 = await db.fetchval("SELECT psp_refund_key FROM refund WHERE payment_id = $1", pid)
     asked = await requests_at(db, "psp", idempotency_key=k5)
     await settle_at_psp(http, stack, db, body, status)
 
