@@ -10,11 +10,13 @@ that is app/machine/engine.py::heal, tested for payments elsewhere).
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import uuid
 
 import pytest
 
+from devtools.processes import BIN
 from tests.crash.test_crash_matrix import set_faults
 from tests.integration.test_refunds import paid
 from tests.support import event_types, headers, key_row, ledger, refunds, requests_at, unbalanced_payments, until
@@ -152,22 +154,38 @@ async def test_a_parked_refund_still_pending_at_the_psp_stays_parked(http, stack
     assert await state(db, acme, payment, key) == before, "absent from the report is not failed: nothing written"
 
 
+async def cli_streams(processes, *args: str, **env: str) -> tuple[int, str, str]:
+    """Run `payments <args>` to completion: its exit code, stdout and stderr apart."""
+    process = await asyncio.create_subprocess_exec(
+        str(BIN / "payments"), *args, env=processes.system.service_env(**env),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await process.communicate()
+    return process.returncode, out.decode(), err.decode()
+
+
+@pytest.mark.parametrize("psp", ["stopped", "without a report"])
 async def test_a_settlement_report_that_is_unavailable_exits_1_with_one_line_and_changes_nothing(
-    http, stack, db, acme, processes
+    psp, http, stack, db, acme, processes
 ):
     payment, key, body = await parked_refund(http, stack, db, acme, processes)
     await settle_at_psp(http, stack, db, body, "succeeded")  # the report would settle it, could it be read
     before = await state(db, acme, payment, key)
-    gone = processes.fake("psp")
-    gone.stop()  # a PSP that does not answer
+    if psp == "stopped":
+        gone = processes.fake("psp")
+        gone.stop()
+        url = gone.url  # nothing listens there
+    else:
+        url = stack.rail.url  # a server that answers, 404, for a report it does not have
 
-    code, output = await processes.cli("settle-refunds", PSP_URL=gone.url)
+    code, out, err = await cli_streams(processes, "settle-refunds", PSP_URL=url)
 
-    assert code == 1, output
-    assert len(output.strip().splitlines()) == 1, output
-    assert "settlement report is unavailable" in output and "try again" in output
+    # One line on stderr, as every error of the CLI, whatever the reason's length.
+    assert code == 1 and out == "", (code, out, err)
+    [line] = err.splitlines()
+    assert line.startswith("the PSP's settlement report is unavailable (psp: ") and line.endswith("try again"), line
     assert await state(db, acme, payment, key) == before
 
     # Once the report can be read, the same run settles it.
     code, output = await processes.cli("settle-refunds")
-    assert code == 0 and "settled_succeeded=1" in output, output
+    assert code == 0 and counts(output) == "refund settlement: parked=1, settled_succeeded=1", output
