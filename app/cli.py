@@ -304,8 +304,8 @@ def settle_refunds() -> None:
     try:
         counts = asyncio.run(go())
     except ReportUnavailable as exc:
-        console.print(f"[red]the PSP's settlement report is unavailable ({exc}); nothing more was settled, try again[/]")
-        raise typer.Exit(1) from None
+        raise _refuse(f"the PSP's settlement report is unavailable ({exc}); nothing more was settled, try again",
+                      code=1) from None
     console.print("refund settlement: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
 
 

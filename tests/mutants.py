@@ -76,6 +76,8 @@ CRASH = "tests/crash/test_crash_matrix.py::"
 API = "tests/integration/test_payments_api.py::"
 PHASES = "tests/integration/test_phases.py::"
 KEYS = "tests/integration/test_key_table.py::"
+REFUNDS = "tests/integration/test_refunds.py::"
+REFUND_CRASH = "tests/crash/test_refund_crashes.py::"
 MIGRATION_0006 = "migrations/versions/0006_key_table_partitions.py"
 
 MUTANTS = (
@@ -286,6 +288,41 @@ MUTANTS = (
             KEYS + "test_a_retry_just_after_midnight_finds_yesterdays_key_and_claims_no_second_one",
             KEYS + "test_a_claim_held_open_across_midnight_makes_a_second_claim_of_its_key_wait_and_find_it",
         ),
+    ),
+    Mutant(
+        "refund-reservation",
+        "a client refund reserves its amount only if what is left of the payment covers it, else a clean 409",
+        (
+            Edit(
+                "app/payments/refunds/phases.py",
+                "\n           AND coalesce(CAST(:amount AS bigint), locked.remaining) BETWEEN 1 AND locked.remaining",
+                "  -- MUTANT: no guard; only the CHECK is left",
+            ),
+        ),
+        (
+            REFUNDS + "test_a_refund_larger_than_what_is_left_is_refused_and_refunds_nothing",
+            REFUNDS + "test_a_full_refund_takes_what_is_left_and_a_second_one_finds_nothing",
+        ),
+        # A refund within what is left still goes through: the mutant breaks only the guard.
+        still_pass=(REFUNDS + "test_a_partial_refund_is_refunded_once_posted_and_replayed_byte_for_byte",),
+    ),
+    Mutant(
+        "refund-key-derived",
+        "a client refund is sent with its derived key K5, so a resumer finds it instead of refunding again",
+        (
+            Edit(
+                "app/payments/refunds/refund.py",
+                "            send=lambda s, r: s.psp.client_refund(r.psp_refund_key, r),",
+                "            send=lambda s, r: s.psp.client_refund(__import__('uuid').uuid4().hex, r),  # MUTANT: a fresh key",
+            ),
+        ),
+        (
+            REFUND_CRASH + "test_a_client_retry_after_a_crash_completes_the_refund_exactly_once[after-call-EXT5]",
+            REFUND_CRASH
+            + "test_a_resumed_refund_probes_the_psp_first_and_never_resends_what_the_probe_found[after-call-EXT5]",
+        ),
+        # Without a crash, one send: the refund is made once whatever its key.
+        still_pass=(REFUNDS + "test_a_partial_refund_is_refunded_once_posted_and_replayed_byte_for_byte",),
     ),
 )
 
