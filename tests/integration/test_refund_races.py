@@ -128,6 +128,50 @@ class Watch:
         await asyncio.wait_for(self.task, 30)
 
 
+class Gate:
+    """The payment's row lock, held by the test, so that the claims of a race all queue on it at once.
+
+    A claim lasts a few milliseconds: left alone, a race's claims may happen
+    not to overlap, and a missing lock would go unseen. Held here until
+    `queued` claims wait on it, then let go, every one of them reads the
+    payment only after the one before it committed (with the lock), or all
+    from the same moment (without it).
+    """
+
+    def __init__(self, database_url: str, payment_id: str) -> None:
+        self.database_url, self.payment_id = database_url, uuid.UUID(payment_id)
+
+    async def __aenter__(self) -> Gate:
+        self.conn = await asyncpg.connect(self.database_url)
+        self.transaction = self.conn.transaction()
+        await self.transaction.start()
+        await self.conn.execute("SELECT 1 FROM payment WHERE id = $1 FOR UPDATE", self.payment_id)
+        return self
+
+    async def hold_until(self, db, queued: int) -> None:
+        """Until `queued` sessions of this database wait on a row lock (ours, or a waiter's ahead of them)."""
+
+        async def waiting() -> bool:
+            return await db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock' AND wait_event IN ('tuple', 'transactionid')"
+            ) >= queued
+
+        await until(waiting, f"{queued} claims to queue on the payment's lock")
+
+    async def __aexit__(self, *exc) -> None:
+        await self.transaction.rollback()
+        await self.conn.close()
+
+
+async def gated(db, database_url: str, payment_id: str, queued: int, race) -> list[Answer]:
+    """Run `race` (a coroutine firing refunds) with the payment's lock held until `queued` claims wait on it."""
+    async with Gate(database_url, payment_id) as gate:
+        answers = asyncio.ensure_future(race)
+        await gate.hold_until(db, queued)
+    return await answers
+
+
 # --- Reading the evidence ---------------------------------------------------------------------------
 
 
@@ -176,13 +220,18 @@ async def assert_stored_and_replayed(http, stack, db, acme, payment_id: str, ans
 # --- Refunds racing each other ----------------------------------------------------------------------
 
 
-async def test_fifty_partial_refunds_at_once_on_two_apis_refund_no_more_than_the_charge(http, stack, db, acme):
+async def test_fifty_partial_refunds_at_once_on_two_apis_refund_no_more_than_the_charge(
+    http, stack, db, database_url, acme
+):
     payment = await paid(http, stack, acme, amount=10_000)
     await set_faults(http, stack.psp, PSP_GUARD_OFF)
-
-    answers = await fire(http, stack, acme, payment["id"], partial(300, 50, "race"))
-
     fits = 10_000 // 300  # 33: the 34th would need 10,200
+
+    # At least one more than fits queued together on the payment's lock (the
+    # two APIs' pools hold 40 connections; the rest follow as they free).
+    answers = await gated(db, database_url, payment["id"], fits + 1,
+                          fire(http, stack, acme, payment["id"], partial(300, 50, "race")))
+
     kinds = [a.kind for a in answers]
     assert kinds.count("succeeded") == fits and kinds.count(EXCEEDS) == 50 - fits, kinds
     # A refusal is decided only once 33 reservations were made: 100 is left then.
@@ -200,11 +249,12 @@ async def test_fifty_partial_refunds_at_once_on_two_apis_refund_no_more_than_the
             await assert_stored_and_replayed(http, stack, db, acme, payment["id"], answer)
 
 
-async def test_ten_full_refunds_at_once_on_two_apis_refund_the_charge_once(http, stack, db, acme):
+async def test_ten_full_refunds_at_once_on_two_apis_refund_the_charge_once(http, stack, db, database_url, acme):
     payment = await paid(http, stack, acme, amount=10_000)
     await set_faults(http, stack.psp, PSP_GUARD_OFF)
 
-    answers = await fire(http, stack, acme, payment["id"], [{"reference": f"all-{i}"} for i in range(10)])
+    race = fire(http, stack, acme, payment["id"], [{"reference": f"all-{i}"} for i in range(10)])
+    answers = await gated(db, database_url, payment["id"], 10, race)
 
     [won] = [a for a in answers if a.kind == "succeeded"]
     assert won.json["amount"] == 10_000
@@ -302,13 +352,13 @@ async def test_refunds_racing_a_returned_payouts_compensation_refund_the_charge_
 
 
 async def test_client_refunds_that_took_everything_before_the_return_leave_it_nothing_to_send(
-    http, stack, db, acme
+    http, stack, db, database_url, acme
 ):
     _, _, created = await paid_out_for(http, stack, acme, 1_000)
     payment_id = created["id"]
     await set_faults(http, stack.psp, PSP_GUARD_OFF)
     # Eight refunds of 250 at once ask for twice the charge: four fit exactly.
-    answers = await fire(http, stack, acme, payment_id, partial(250, 8, "all"))
+    answers = await gated(db, database_url, payment_id, 8, fire(http, stack, acme, payment_id, partial(250, 8, "all")))
     kinds = [a.kind for a in answers]
     assert kinds.count("succeeded") == 4 and kinds.count(EXCEEDS) == 4, kinds
     assert (await payment_row(db, payment_id))["refunded_minor"] == 1_000
@@ -384,7 +434,8 @@ async def test_refunds_racing_their_payments_recovery_are_refused_until_it_succe
                 racing += await fire(http, stack, acme, payment_id, partial(300, 4, "race", len(racing)),
                                      first=len(racing))
             # Then more than fits, fired at once, certainly after the payment succeeded.
-            after = await fire(http, stack, acme, payment_id, partial(300, 8, "after"), first=len(racing))
+            after = await gated(db, database_url, payment_id, 8,
+                                fire(http, stack, acme, payment_id, partial(300, 8, "after"), first=len(racing)))
     finally:
         await conn.close()
 
