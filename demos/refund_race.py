@@ -89,7 +89,8 @@ class Demo:
         row = db.fetchrow("SELECT amount_minor, refunded_minor, psp_charge_id FROM payment WHERE id = $1", pid)
         at_psp = db.fetchrow(
             "SELECT count(*) AS n, coalesce(sum(amount), 0)::bigint AS total,"
-            " count(*) FILTER (WHERE over_refund) AS over FROM fake_psp.refund WHERE charge_id = $1", row["psp_charge_id"])
+            " count(*) FILTER (WHERE over_refund) AS over FROM fake_psp.refund WHERE charge_id = $1",
+            row["psp_charge_id"])
         ours = db.fetchrow(
             "SELECT count(*) AS n, coalesce(sum(amount_minor), 0)::bigint AS total FROM refund"
             " WHERE payment_id = $1 AND status = 'succeeded'", pid)
