@@ -10,7 +10,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run cluster soak test mutants bench bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-webhooks demo-return
+.PHONY: install run cluster soak test mutants bench bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-webhooks demo-return demo-refund-race
 
 install: $(STAMP)
 
@@ -129,6 +129,10 @@ demo-webhooks: $(STAMP)
 # A payout returned days later: the rail's duplicate notification dropped by our inbox, the refund, the merchant's webhooks.
 demo-return: $(STAMP)
 	$(BIN)/python -m demos.returns
+
+# Fifty refunds of one payment at once over two API processes, the PSP's own guard off: never past the charge.
+demo-refund-race: $(STAMP)
+	$(BIN)/python -m demos.refund_race
 
 # Re-pin every dependency after editing pyproject.toml.
 lock: $(STAMP)
