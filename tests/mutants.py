@@ -77,6 +77,7 @@ API = "tests/integration/test_payments_api.py::"
 PHASES = "tests/integration/test_phases.py::"
 KEYS = "tests/integration/test_key_table.py::"
 REFUNDS = "tests/integration/test_refunds.py::"
+REFUND_RACES = "tests/integration/test_refund_races.py::"
 REFUND_CRASH = "tests/crash/test_refund_crashes.py::"
 MIGRATION_0006 = "migrations/versions/0006_key_table_partitions.py"
 
@@ -302,8 +303,26 @@ MUTANTS = (
         (
             REFUNDS + "test_a_refund_larger_than_what_is_left_is_refused_and_refunds_nothing",
             REFUNDS + "test_a_full_refund_takes_what_is_left_and_a_second_one_finds_nothing",
+            REFUND_RACES + "test_fifty_partial_refunds_at_once_on_two_apis_refund_no_more_than_the_charge",
         ),
         # A refund within what is left still goes through: the mutant breaks only the guard.
+        still_pass=(REFUNDS + "test_a_partial_refund_is_refunded_once_posted_and_replayed_byte_for_byte",),
+    ),
+    Mutant(
+        "refund-lock",
+        "a refund's reservation reads what is left under the payment's row lock, so racing refunds see each other",
+        (
+            Edit(
+                "app/payments/refunds/phases.py",
+                "\n           FOR UPDATE OF payment\n",
+                "\n",
+            ),
+        ),
+        (
+            REFUND_RACES + "test_fifty_partial_refunds_at_once_on_two_apis_refund_no_more_than_the_charge",
+            REFUND_RACES + "test_ten_full_refunds_at_once_on_two_apis_refund_the_charge_once",
+        ),
+        # One refund alone is unaffected: the mutant breaks only what a race needs.
         still_pass=(REFUNDS + "test_a_partial_refund_is_refunded_once_posted_and_replayed_byte_for_byte",),
     ),
     Mutant(
