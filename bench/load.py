@@ -29,11 +29,12 @@ replay
     again, round robin over up to 1000 of them; success is the stored 201,
     byte for byte, with `Idempotent-Replayed: true`.
 refund
-    a partial refund (REFUND_MINOR) of a payment that finished, each payment
-    refunded once, with a fresh Idempotency-Key and a fresh reference; the
-    clients stop early if the payments run out. Success is 201 with
-    `"status": "succeeded"` (the fake PSP refunds at once when no fault is
-    planned; a 202 `pending` or a `failed` refund is counted as not one).
+    a partial refund (REFUND_MINOR) of a payment that finished, with a fresh
+    Idempotency-Key and a fresh reference, the payments in turn
+    (`refund_order`: each once, then each again, while the charge has room);
+    the clients stop early if nothing is left to refund. Success is 201
+    with `"status": "succeeded"` (the fake PSP refunds at once when no fault
+    is planned; a 202 `pending` or a `failed` refund is counted as not one).
 """
 
 from __future__ import annotations
@@ -85,6 +86,19 @@ class Refunded:
     payment_id: str
     amount: int
     response: bytes
+
+
+def refund_order(payments: list[Paid]) -> Iterator[Paid]:
+    """The payments to refund, REFUND_MINOR each: every one in turn, then every one again, as many
+    times as the charge has room for.
+
+    Each comes back only after all the others, so two refunds of one payment
+    are in flight together only if there are fewer payments than clients:
+    refunds of one payment wait for each other on its row lock, which the
+    integration tests exercise and a rate should not measure.
+    """
+    passes = bodies.payment_body()["amount"] // REFUND_MINOR
+    return itertools.chain.from_iterable(itertools.repeat(payments, passes))
 
 
 def payment_id_of(paid: Paid) -> str:
@@ -185,7 +199,7 @@ class Load:
             while time.monotonic() < deadline:
                 try:
                     await request(result)
-                except _Exhausted:  # nothing left to send (refunds: every payment refunded)
+                except _Exhausted:  # nothing left to send (refunds: every charge refunded to its end)
                     return
 
         started = time.perf_counter()
@@ -234,8 +248,8 @@ class Load:
         return replay
 
     def refunder(self, payments: Iterator[Paid]) -> Request:
-        """One partial refund of each payment `payments` yields, shared by the clients (and by the runs
-        of a session: the warm-up's payments are not refunded again by the measured run)."""
+        """A partial refund of each payment `payments` yields, the iterator shared by the clients (and
+        by the runs of a session: the measured run goes on where the warm-up stopped)."""
 
         async def refund(result: RunResult) -> None:
             paid = next(payments, None)

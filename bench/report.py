@@ -313,8 +313,9 @@ def print_refunds(results: dict[str, Any], block: dict[str, Any]) -> None:
     if not refunds:
         return
     w = block["workers"]
-    table = Table(title=f"{w}w: refunds of finished payments (phased service, one partial refund each, "
-                        f"{results['parameters']['concurrency']} clients, after every other step)",
+    table = Table(title=f"{w}w: partial refunds of the rounds' payments (phased service, "
+                        f"{results['parameters']['concurrency']} clients, {results['parameters']['duration_s']:g} s, "
+                        "after every other step)",
                   title_justify="left")
     table.add_column("figure")
     table.add_column("refunds", justify="right")

@@ -42,8 +42,8 @@ replays/s and p50 / p99 (phased only)
 writing transactions per payment (from the WAL), and xact_commit per payment
     See bench/costs.py: the target is 3 per payment (the twin does 5).
 refunds/s beside new payments/s, and writing transactions per refund
-    The second operation on the machine, priced like the first: a partial
-    refund of each payment the phased rounds made, after every other step
+    The second operation on the machine, priced like the first: partial
+    refunds of the payments the phased rounds made, after every other step
     (so no figure above moves). A refund that the PSP takes at once is two
     writing transactions, the target: the claim (key row, the amount
     reserved on the payment, the refund created) and the PSP's answer
@@ -58,7 +58,7 @@ the database-only ceiling (pgbench)
 exactly-once
     See bench/checks.py: checked after every run; FAIL exits with status 1.
 
-How it runs (20-24 minutes with the defaults on a 2-CPU machine, most of it the measured runs):
+How it runs (20-25 minutes with the defaults on a 2-CPU machine, most of it the measured runs):
 
     create payments_bench and payments_bench_rails; start the fake PSP and rail
     for each worker count (1, then 2):
@@ -79,9 +79,10 @@ How it runs (20-24 minutes with the defaults on a 2-CPU machine, most of it the 
         new payments with and without webhooks at once (bench/outbox.py):
         the worker's CPU at rest for 5 s, then 6 rounds of a quarter of a
         measured run, each until its webhooks are delivered: the outbox's target
-        refunds: one partial refund of each phased and unwatched payment of
-        the rounds, oldest first, through the phased API: warm-up, a
-        measured run as long as a round's, check
+        idle until PostgreSQL has published the side-by-side steps' statistics;
+        refunds through the phased API of the rounds' phased and unwatched
+        payments, oldest first, each once, then again: warm-up, a measured
+        run as long as a round's, check
         stop the APIs
     pgbench with the service's SQL (the ceiling); report; JSON
 
@@ -118,7 +119,7 @@ from app.admin import create_client
 from bench import ceiling, costs, outbox, report, watching
 from bench.checks import Check, exactly_once, refunds_check, replays_check
 from bench.costs import STATS_SETTLE_SECONDS, CpuMeter, Wal, WalCount
-from bench.load import Load, Paid, RunResult, latency_ms
+from bench.load import Load, Paid, RunResult, latency_ms, refund_order
 from bench.report import REFUNDS
 from bench.system import (
     NAIVE, PHASED, RESULTS, UNWATCHED, WEBHOOKS, Databases, Server, Service, apis, console, database_server, fakes,
@@ -175,7 +176,7 @@ class Measured:
     # started and when it ended, and how long after the end the dispatcher
     # took to deliver the rest.
     backlog: dict[str, float | int | None] = field(default_factory=dict)
-    # The refunds: how many payments there were to refund, and how many were left.
+    # The refunds: how many payments there were to refund, and how many refunds were sent.
     pool: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -379,27 +380,31 @@ class Bench:
                       + ("ok" if all(c.ok for c in checks) else "[red]FAILED[/]"))
 
     async def refund_round(self, api: Service, refundable: list[Paid], workers: int) -> None:
-        """A partial refund of each of the rounds' payments, oldest first: refunds/s and their costs.
+        """Partial refunds of the rounds' payments (bench/load.py's refund_order): refunds/s and their costs.
 
         It runs after every other step of this worker count, so none of their
-        figures moves. Each refund is of a payment of its own: refunds of one
-        payment wait for each other on its row lock, which
-        tests/integration/test_refunds.py exercises and a rate should not
-        measure. The clients stop early if the payments run out; the rate is
-        over the time they ran.
+        figures moves. The side-by-side steps before it do not count their
+        commits, so the system first idles until PostgreSQL has published
+        theirs: the refunds' xact_commit is then theirs alone.
         """
         p = self.params
-        payments = iter(refundable)
+        with console.status(f"[{workers}w] refunds: idling {STATS_SETTLE_SECONDS:g} s for PostgreSQL's statistics"):
+            await asyncio.sleep(STATS_SETTLE_SECONDS)
+            self.settled = await costs.xact_commit(self.conn)
+        payments = refund_order(refundable)
         async with Load(api.url, self.dbs.api_key, p.concurrency) as load:
             measured = await self.measure(
                 REFUNDS, workers, 1, api, lambda duration: load.refunds(payments, duration), p.duration,
                 lambda run: refunds_check(self.dbs.service_url, self.dbs.rails_url, self.dbs.client_id, run),
             )
-        left = sum(1 for _ in payments)
-        measured.pool = {"payments": len(refundable), "left_unrefunded": left}
-        if not left:
-            console.print(f"  [yellow]every one of the {len(refundable)} payments was refunded before the "
-                          f"{p.duration:g} s were up: the run was {measured.result.elapsed:.1f} s[/]")
+        sent = measured.warm.requests + measured.result.requests
+        measured.pool = {"payments": len(refundable), "refunds_sent": sent}
+        if next(payments, None) is None:
+            console.print(f"  [yellow]every one of the {len(refundable)} payments was refunded to its end before "
+                          f"the {p.duration:g} s were up: the run was {measured.result.elapsed:.1f} s[/]")
+        elif len(refundable) < p.concurrency:
+            console.print(f"  [yellow]{len(refundable)} payments for {p.concurrency} clients: refunds of one "
+                          "payment waited for each other[/]")
 
     async def webhooks_round(self, api: Service, workers: int, round_: int) -> None:
         """The phased service again, paid by the client with a webhook endpoint: the same load, plus the

@@ -7,11 +7,11 @@ import json
 from typing import Any
 
 from bench.checks import refund_checks
-from bench.load import REFUND_MINOR, Load, Paid, Refunded
+from bench.load import REFUND_MINOR, Load, Paid, Refunded, refund_order
 from bench.report import summarize
 
 
-def test_each_payment_is_refunded_once_and_the_clients_stop_when_the_payments_run_out():
+def test_the_clients_share_one_order_refund_each_payment_it_yields_once_and_stop_when_it_runs_out():
     paid = [Paid(f"k{n}", f"ref{n}", b"{}", json.dumps({"id": f"pay-{n}"}).encode()) for n in range(5)]
     sent: list[tuple[str, str, dict[str, Any]]] = []
     load = Load("http://bench.invalid", "key", concurrency=3)
@@ -143,3 +143,12 @@ def test_a_refund_that_writes_a_third_time_misses_the_target():
     block = summarize(_results(_run("phased", 200.0, 4000, 12000), _run("refunds", 300.0, 6000, 18000)))["blocks"][0]
 
     assert block["targets"][-1]["met"] is False and block["targets"][-1]["verdict"] == "missed: +1.00"
+
+
+def test_the_payments_are_refunded_in_turn_each_again_after_all_the_others_while_the_charge_has_room():
+    paid = [Paid(f"k{n}", f"ref{n}", b"{}", b"{}") for n in range(3)]
+
+    order = [p.key for p in refund_order(paid)]
+
+    assert order[:6] == ["k0", "k1", "k2", "k0", "k1", "k2"]
+    assert len(order) == 3 * (1250 // REFUND_MINOR)  # the body's 12.50, a refund of REFUND_MINOR at a time
