@@ -51,6 +51,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from fastapi import Request
 from fastapi.security import HTTPAuthorizationCredentials
 
 from app.api.deps import payment_caller
@@ -203,7 +204,8 @@ async def record_one_payment(api_key: str, client_id: int) -> list[Recorded]:
     credentials = HTTPAuthorizationCredentials(scheme="Bearer", credentials=api_key)
     # The lookup's key stays the literal 'pgbench-key': no payment claims it, so
     # every lookup finds the client and no key row, as for any new payment.
-    caller = await payment_caller(services, credentials, "pgbench-key")
+    # A request with nothing in its state: no replay shortcut handed a lookup over.
+    caller = await payment_caller(Request({"type": "http"}), services, credentials, "pgbench-key")
     reply = await submit_payment(services, caller.client_id, caller.key, request, row=caller.row)
     if getattr(reply.outcome, "status_code", None) != 201 or len(recorder.recorded) != len(recorder.answers):
         raise RecordingFailed(

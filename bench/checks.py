@@ -14,6 +14,17 @@ is a duplicate):
     and after the replays: every replay got those bytes back, and no replay
     charged or paid out anything.
 
+After the refund round, for the refunds sent (each has a reference of its
+own, so a second PSP refund for a reference is a duplicate):
+
+    every 201 `succeeded` has its refund row, succeeded, for that payment
+    and amount;
+    refunds recorded = PSP refunds = refunds answered, none twice;
+    the amounts the PSP refunded are the refunds';
+    every refund has its `refund:<id>` posting, and it balances;
+    each refunded payment's refunded amount is its refunds' sum;
+    every 201 is stored with its key, finished, byte for byte.
+
 The naive twin is checked the same way, in its own tables (`naive.payment`,
 `naive.ledger_entry`). It passes too: in a run without faults nothing is
 retried, so even code with no protection charges once. Its failures need a
@@ -31,7 +42,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from bench.load import Paid, RunResult
+from bench.load import Paid, Refunded, RunResult
 from bench.system import NAIVE
 
 
@@ -124,4 +135,69 @@ async def replays_check(rails_url: str, replays: RunResult, replayed: list[Paid]
               f"{replays.succeeded} replayed, {wrong} did not: {dict(replays.statuses)}"),
         Check("replays charged and paid out nothing", once,
               f"{len(references)} keys replayed; each still has exactly one charge and one transfer: {once}"),
+    ]
+
+
+async def refunds_check(service_url: str, rails_url: str, client_id: int, run: RunResult) -> list[Check]:
+    """The refund round's durable outcome, from the service's database and the fake PSP's."""
+    sent = run.references
+    refunds, postings, payments, stored = await _fetch(
+        service_url,
+        ("SELECT f.reference, f.id, f.payment_id::text, f.status, f.amount_minor FROM refund f "
+         "JOIN unnest($1::text[]) AS r(reference) USING (reference) WHERE f.client_id = $2", (sent, client_id)),
+        ("SELECT l.posting, sum(l.debit_minor) AS debits, sum(l.credit_minor) AS credits FROM ledger_entry l "
+         "JOIN refund f ON l.posting = 'refund:' || f.id::text AND l.payment_id = f.payment_id "
+         "JOIN unnest($1::text[]) AS r(reference) USING (reference) WHERE f.client_id = $2 GROUP BY l.posting",
+         (sent, client_id)),
+        # Every refund of the payments refunded, not only this run's: the
+        # refunded amount must be all of them, and nothing else.
+        ("SELECT p.id::text, p.refunded_minor, coalesce(sum(f.amount_minor) FILTER (WHERE f.status <> 'failed'), 0) "
+         "AS refunds_minor FROM payment p LEFT JOIN refund f ON f.payment_id = p.id "
+         "WHERE p.id = ANY($1::uuid[]) GROUP BY p.id", (sorted({r.payment_id for r in run.refunded}),)),
+        ("SELECT k.key, k.state, k.response_code, k.response_body FROM idempotency_key k "
+         "JOIN unnest($1::text[]) AS r(key) USING (key) WHERE k.client_id = $2",
+         ([r.key for r in run.refunded], client_id)),
+    )
+    (psp,) = await _fetch(
+        rails_url,
+        ("SELECT f.reference, f.amount, f.status FROM fake_psp.refund f "
+         "JOIN unnest($1::text[]) AS r(reference) USING (reference)", (sent,)),
+    )
+    return refund_checks(run.refunded, len(sent), refunds, postings, payments, stored, psp)
+
+
+def refund_checks(answered: list[Refunded], sent: int, refunds: list, postings: list, payments: list,
+                  stored: list, psp: list) -> list[Check]:
+    """The refund checks, from the rows found: `refunds` (reference, id, payment_id, status,
+    amount_minor), `postings` (posting, debits, credits), `payments` (id, refunded_minor, refunds_minor),
+    `stored` key rows (key, state, response_code, response_body), `psp` (reference, amount, status)."""
+    by_reference = {r["reference"]: r for r in refunds}
+    found = sum(1 for a in answered if (r := by_reference.get(a.reference)) is not None and r["status"] == "succeeded"
+                and r["payment_id"] == a.payment_id and r["amount_minor"] == a.amount)
+    at_psp = Counter(p["reference"] for p in psp)
+    psp_wrong = sum(1 for p in psp if p["reference"] in by_reference
+                    and (p["amount"] != by_reference[p["reference"]]["amount_minor"] or p["status"] != "succeeded"))
+    balanced = {p["posting"] for p in postings if p["debits"] == p["credits"]}
+    unposted = sum(1 for r in refunds if r["status"] == "succeeded" and f"refund:{r['id']}" not in balanced)
+    off = sum(1 for p in payments if p["refunded_minor"] != p["refunds_minor"])
+    by_key = {a.key: a for a in answered}
+    refunded = {a.payment_id for a in answered}
+    kept = sum(1 for k in stored if k["state"] == "finished" and k["response_code"] == 201
+               and k["key"] in by_key and k["response_body"].encode() == by_key[k["key"]].response)
+    by_status = dict(Counter(r["status"] for r in refunds))
+    return [
+        Check("every refund's 201 has its refund, succeeded, of that payment and amount",
+              found == len(answered) and bool(answered), f"{len(answered)} answered 201 succeeded, {found} found"),
+        Check("refunds = PSP refunds = refunds answered", len(refunds) == sum(at_psp.values()) == len(answered),
+              f"{len(refunds)} = {sum(at_psp.values())} = {len(answered)} for {sent} sent; {by_status}"),
+        Check("no reference refunded twice at the PSP", all(n == 1 for n in at_psp.values()),
+              f"{sum(1 for n in at_psp.values() if n > 1)} references"),
+        Check("amounts the PSP refunded are the refunds'", psp_wrong == 0, f"{psp_wrong} differ or not succeeded"),
+        Check("ledger: every refund posted once, balanced", unposted == 0 and len(balanced) == len(postings),
+              f"{unposted} succeeded refunds without a balanced posting, "
+              f"{len(postings) - len(balanced)} unbalanced postings"),
+        Check("each payment's refunded amount is its refunds' sum", off == 0 and len(payments) == len(refunded),
+              f"{off} of {len(payments)} payments differ; {len(refunded)} payments refunded"),
+        Check("every refund's 201 stored with its key, finished, byte for byte", kept == len(by_key),
+              f"{kept} of {len(by_key)}"),
     ]

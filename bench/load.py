@@ -28,6 +28,13 @@ replay
     a retry of a payment that finished: the same key and the same body
     again, round robin over up to 1000 of them; success is the stored 201,
     byte for byte, with `Idempotent-Replayed: true`.
+refund
+    a partial refund (REFUND_MINOR) of a payment that finished, with a fresh
+    Idempotency-Key and a fresh reference, the payments in turn
+    (`refund_order`: each once, then each again, while the charge has room);
+    the clients stop early if nothing is left to refund. Success is 201
+    with `"status": "succeeded"` (the fake PSP refunds at once when no fault
+    is planned; a 202 `pending` or a `failed` refund is counted as not one).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +55,10 @@ import aiohttp
 from devtools import bodies
 
 PATH = "/v1/payments"
+REFUNDS_PATH = "/v1/payments/{payment_id}/refunds"
+# Of the body's 12.50: a partial refund, so the payment stays refundable and
+# the reservation is the conditional write a real partial refund makes.
+REFUND_MINOR = 100
 RAMP_SECONDS = 0.01  # between the clients' first requests, in a session's first run
 
 
@@ -66,6 +77,35 @@ class Paid:
     response: bytes
 
 
+@dataclass(frozen=True)
+class Refunded:
+    """A refund that got its 201 `succeeded`: what the refund check looks for in the databases."""
+
+    key: str
+    reference: str
+    payment_id: str
+    amount: int
+    response: bytes
+
+
+def refund_order(payments: list[Paid]) -> Iterator[Paid]:
+    """The payments to refund, REFUND_MINOR each: every one in turn, then every one again, as many
+    times as the charge has room for.
+
+    Each comes back only after all the others, so two refunds of one payment
+    are in flight together only if there are fewer payments than clients:
+    refunds of one payment wait for each other on its row lock, which the
+    integration tests exercise and a rate should not measure.
+    """
+    passes = bodies.payment_body()["amount"] // REFUND_MINOR
+    return itertools.chain.from_iterable(itertools.repeat(payments, passes))
+
+
+def payment_id_of(paid: Paid) -> str:
+    """The payment's id, from the 201 its client got."""
+    return json.loads(paid.response)["id"]
+
+
 @dataclass
 class RunResult:
     """What the clients saw in one timed run."""
@@ -73,8 +113,9 @@ class RunResult:
     latencies: list[float] = field(default_factory=list)  # seconds, successes only
     statuses: Counter[str] = field(default_factory=Counter)
     paid: list[Paid] = field(default_factory=list)  # new payments that got their 201
-    references: list[str] = field(default_factory=list)  # every new payment sent, answered or not
+    references: list[str] = field(default_factory=list)  # every new payment or refund sent, answered or not
     elapsed: float = 0.0
+    refunded: list[Refunded] = field(default_factory=list)  # refunds that got their 201 succeeded
 
     @property
     def succeeded(self) -> int:
@@ -124,6 +165,10 @@ def latency_ms(ordered: list[float]) -> dict[str, float | None]:
 Request = Callable[[RunResult], Awaitable[None]]
 
 
+class _Exhausted(Exception):
+    """A request had nothing left to send: its client stops before the deadline."""
+
+
 class Load:
     """`concurrency` clients against one API, over one aiohttp session."""
 
@@ -152,7 +197,10 @@ class Load:
             if not self.connected:
                 await asyncio.sleep(number * RAMP_SECONDS)
             while time.monotonic() < deadline:
-                await request(result)
+                try:
+                    await request(result)
+                except _Exhausted:  # nothing left to send (refunds: every charge refunded to its end)
+                    return
 
         started = time.perf_counter()
         await asyncio.gather(*(client(n) for n in range(self.concurrency)))
@@ -160,11 +208,11 @@ class Load:
         self.connected = True
         return result
 
-    async def _post(self, key: str, body: bytes) -> tuple[str | int, bool, bytes, float]:
+    async def _post(self, key: str, body: bytes, path: str = PATH) -> tuple[str | int, bool, bytes, float]:
         """(status or error, Idempotent-Replayed?, body, seconds)."""
         started = time.perf_counter()
         try:
-            async with self.session.post(PATH, data=body, headers={"Idempotency-Key": key}) as response:
+            async with self.session.post(path, data=body, headers={"Idempotency-Key": key}) as response:
                 content = await response.read()
                 replayed = response.headers.get("Idempotent-Replayed") == "true"
                 return response.status, replayed, content, time.perf_counter() - started
@@ -199,8 +247,34 @@ class Load:
 
         return replay
 
+    def refunder(self, payments: Iterator[Paid]) -> Request:
+        """A partial refund of each payment `payments` yields, the iterator shared by the clients (and
+        by the runs of a session: the measured run goes on where the warm-up stopped)."""
+
+        async def refund(result: RunResult) -> None:
+            paid = next(payments, None)
+            if paid is None:
+                raise _Exhausted
+            key, reference, payment_id = str(uuid.uuid4()), f"bench-refund-{uuid.uuid4().hex}", payment_id_of(paid)
+            body = json.dumps({"amount": REFUND_MINOR, "reference": reference}).encode()
+            result.references.append(reference)
+            status, _, content, elapsed = await self._post(key, body, REFUNDS_PATH.format(payment_id=payment_id))
+            if status == 201 and json.loads(content).get("status") == "succeeded":
+                result.statuses["201 succeeded"] += 1
+                result.latencies.append(elapsed)
+                result.refunded.append(Refunded(key, reference, payment_id, REFUND_MINOR, content))
+            elif status in (201, 202):
+                result.statuses[f"{status} {json.loads(content).get('status')}"] += 1
+            else:
+                result.statuses[str(status)] += 1
+
+        return refund
+
     async def new_payments(self, duration: float) -> RunResult:
         return await self.run(self.new_payment, duration)
 
     async def replays(self, paid: list[Paid], duration: float) -> RunResult:
         return await self.run(self.replayer(paid), duration)
+
+    async def refunds(self, payments: Iterator[Paid], duration: float) -> RunResult:
+        return await self.run(self.refunder(payments), duration)

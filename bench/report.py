@@ -27,10 +27,14 @@ from bench.system import console
 KINDS = ("phased", "naive")
 # The phased service with its metrics and logs off, and the replays of each.
 WATCHING = ("unwatched", "replays", "replays-unwatched")
+# A partial refund of each of the phased rounds' payments, after every other step.
+REFUNDS = "refunds"
 TARGETS = {
     "rate": ("payments/s: phased ÷ naive", ">=", 0.8, "×"),
     "replays": ("replays/s ÷ new payments/s", ">=", 10.0, "×"),
     "writes": ("writing transactions per payment", "==", 3.0, ""),
+    # The claim (key row, reservation, refund) and the PSP's answer recorded.
+    "refund_writes": ("writing transactions per refund", "==", 2.0, ""),
     "p99": ("p99 latency: phased ÷ naive", "<=", 2.0, "×"),
     "watching": ("payments/s: metrics and logs on ÷ off", ">=", 0.95, "×"),
     # Judged side by side on one CPU (bench/watching.py): the replay runs one
@@ -119,7 +123,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         latency = results["pooled_latency_ms"].get(str(workers), {})
         kinds = {
             kind: summarize_kind(of_kind, latency.get(kind, {}))
-            for kind in (*KINDS, *WATCHING)
+            for kind in (*KINDS, *WATCHING, REFUNDS)
             if (of_kind := [r for r in runs if r["kind"] == kind])
         }
         unwatched, replays_unwatched = kinds.get("unwatched"), kinds.get("replays-unwatched")
@@ -132,6 +136,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         ]
         p99 = _ratio(phased and phased["latency_ms"].get("p99"), naive and naive["latency_ms"].get("p99"))
         replay_ratio = _ratio(replays and replays["per_second"]["mean"], phased and phased["per_second"]["mean"])
+        refunds = kinds.get(REFUNDS)
+        refund_ratio = _ratio(refunds and refunds["per_second"]["mean"], phased and phased["per_second"]["mean"])
         watching = _ratio(phased and phased["per_second"]["mean"], unwatched and unwatched["per_second"]["mean"])
         watching_replays = _ratio(replays and replays["per_second"]["mean"],
                                   replays_unwatched and replays_unwatched["per_second"]["mean"])
@@ -155,6 +161,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 "p50": _ratio(phased and phased["latency_ms"].get("p50"), naive and naive["latency_ms"].get("p50")),
                 "p99": p99,
                 "replays_to_new": replay_ratio,
+                "refunds_to_new": refund_ratio,
                 "of_ceiling": _ratio(phased and phased["per_second"]["mean"], ceiling_tps),
                 "watching": watching,
                 "watching_replays": watching_replays,
@@ -173,6 +180,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 *([_target("watching", watching)] if unwatched else []),
                 *([_target("watching_replays", side_on.get("rate_ratio"))] if side else []),
                 *([_target("outbox", outbox_figures.get("cpu_ratio"))] if outbox else []),
+                *([_target("refund_writes", refunds["writing_txns"])] if refunds else []),
             ],
         })
     return {
@@ -203,7 +211,7 @@ def progress_line(label: str, run: dict[str, Any]) -> str:
     wal = run["wal"]
     writes = "n/a" if "n/a" in wal else fmt(_per(wal["transactions"], wal["operations"]), 2)
     verdict = "[green]ok[/]" if run["exactly_once"]["pass"] else "[bold red]FAIL[/]"
-    unit = "replays" if run["kind"].startswith("replays") else "payments"
+    unit = "replays" if run["kind"].startswith("replays") else REFUNDS if run["kind"] == REFUNDS else "payments"
     other = f", [yellow]{r['requests'] - r['succeeded']} not 201[/]" if r["requests"] > r["succeeded"] else ""
     return (f"{label}: {fmt(r['per_second'], 0)} {unit}/s, p50 {fmt(lat['p50'])} ms, p99 {fmt(lat['p99'])} ms, "
             f"{writes} writing txns each, busy {fmt(run['machine_busy_percent'], 0)}%{other}; exactly-once {verdict}")
@@ -295,7 +303,46 @@ def print_block(results: dict[str, Any], block: dict[str, Any]) -> None:
             rt.add_row("API CPU % by worker", ", ".join(replays["api_split_percent"]), "")
         rt.add_row("exactly-once (byte-identical, nothing charged)", _pass(replays), "")
         console.print(rt)
+    print_refunds(results, block)
     print_watching(block)
+
+
+def print_refunds(results: dict[str, Any], block: dict[str, Any]) -> None:
+    """The refund round beside the new payments: its rate, latency, writes and CPU per refund."""
+    refunds, phased = block.get(REFUNDS), block.get("phased")
+    if not refunds:
+        return
+    w = block["workers"]
+    table = Table(title=f"{w}w: partial refunds of the rounds' payments (phased service, "
+                        f"{results['parameters']['concurrency']} clients, {results['parameters']['duration_s']:g} s, "
+                        "after every other step)",
+                  title_justify="left")
+    table.add_column("figure")
+    table.add_column("refunds", justify="right")
+    table.add_column("new payments", justify="right")
+    table.add_column("refunds ÷ new payments", justify="right")
+    table.add_row("per second", fmt(refunds["per_second"]["mean"], 0), _rate(phased),
+                  fmt(block["ratio"]["refunds_to_new"], 2, "×"))
+    for q in ("p50", "p99"):
+        a, b = refunds["latency_ms"].get(q), (phased or {}).get("latency_ms", {}).get(q)
+        table.add_row(f"latency {q} (ms)", fmt(a), fmt(b), fmt(_ratio(a, b), 2, "×"))
+    table.add_row("writing transactions each (WAL)", fmt(refunds["writing_txns"], 2),
+                  fmt((phased or {}).get("writing_txns"), 2), "")
+    for name, share in refunds["writing_txns_by_tables"].items():
+        table.add_row(f"  of which writing {name.replace('+', ' + ')}", fmt(share, 2), "", "")
+    table.add_row("WAL bytes each (of which page images)",
+                  *[f"{fmt(k.get('wal_bytes'), 0)} ({fmt(k.get('fpi_bytes'), 0)})" if k else "-"
+                    for k in (refunds, phased)], "")
+    table.add_row("xact_commit each (read-only too)", fmt(refunds["xact_commit"], 2),
+                  fmt((phased or {}).get("xact_commit"), 2), "")
+    for role in refunds["cpu_ms"]:
+        if role.startswith("  "):
+            continue
+        table.add_row(f"CPU ms each: {role}", fmt(refunds["cpu_ms"].get(role), 2),
+                      fmt((phased or {}).get("cpu_ms", {}).get(role), 2), "")
+    table.add_row("requests not answered 201 succeeded", str(refunds["not_201"]), "", "")
+    table.add_row("exactly-once (one PSP refund each, posted and balanced)", _pass(refunds), "", "")
+    console.print(table)
 
 
 def print_watching(block: dict[str, Any]) -> None:
@@ -400,6 +447,7 @@ def print_setup(results: dict[str, Any]) -> None:
     table.add_row("runs", f"{p['concurrency']} clients; per worker count ({', '.join(map(str, p['workers']))}): "
                           f"{p['rounds']} rounds × (phased, unwatched, naive), each {p['warmup_s']:g} s warm-up + "
                           f"{p['duration_s']:g} s; replays {p['replay_duration_s']:g} s each, watched and unwatched; "
+                          f"refunds {p['warmup_s']:g} s warm-up + {p['duration_s']:g} s; "
                           f"pgbench {p['pgbench_duration_s']:g} s; {results.get('wall_clock_s', 0):.0f} s in all")
     table.add_row("load generator", f"{p['load_generator']}, Python {m['python']}, in the bench's own process")
     console.print(table)
@@ -413,6 +461,8 @@ NOTES = [
     "The fakes keep their records in payments_bench_rails: their writes are in neither count, but their CPU is.",
     "WAL bytes include full-page images, written for the first change to each page after a checkpoint: "
     "they swing with the checkpoint's timing; the rest is the rows and index entries themselves.",
+    "writing transactions per refund: target 2, the claim (key row, the amount reserved on the payment, the "
+    "refund created) and the PSP's answer recorded (the refund, its posting, the key row finished).",
     "The naive twin passes the exactly-once check too: nothing fails in these runs, so nothing is retried. "
     "It charges twice only after a crash or a lost response (make demo-naive-crash).",
 ]

@@ -41,6 +41,15 @@ replays/s and p50 / p99 (phased only)
     target is at least 10x the new-payment rate.
 writing transactions per payment (from the WAL), and xact_commit per payment
     See bench/costs.py: the target is 3 per payment (the twin does 5).
+refunds/s beside new payments/s, and writing transactions per refund
+    The second operation on the machine, priced like the first: partial
+    refunds of the payments the phased rounds made, after every other step
+    (so no figure above moves). A refund that the PSP takes at once is two
+    writing transactions, the target: the claim (key row, the amount
+    reserved on the payment, the refund created) and the PSP's answer
+    recorded (the refund, its ledger posting, the key row finished). Its
+    check: one PSP refund per refund, each posted and balanced, each
+    payment's refunded amount its refunds' sum.
 CPU ms per payment, by process
     See bench/costs.py: who spends the machine's two cores.
 the database-only ceiling (pgbench)
@@ -49,7 +58,7 @@ the database-only ceiling (pgbench)
 exactly-once
     See bench/checks.py: checked after every run; FAIL exits with status 1.
 
-How it runs (19-23 minutes with the defaults on a 2-CPU machine, most of it the measured runs):
+How it runs (20-25 minutes with the defaults on a 2-CPU machine, most of it the measured runs):
 
     create payments_bench and payments_bench_rails; start the fake PSP and rail
     for each worker count (1, then 2):
@@ -70,6 +79,10 @@ How it runs (19-23 minutes with the defaults on a 2-CPU machine, most of it the 
         new payments with and without webhooks at once (bench/outbox.py):
         the worker's CPU at rest for 5 s, then 6 rounds of a quarter of a
         measured run, each until its webhooks are delivered: the outbox's target
+        idle until PostgreSQL has published the side-by-side steps' statistics;
+        refunds through the phased API of the rounds' phased and unwatched
+        payments, oldest first, each once, then again: warm-up, a measured
+        run as long as a round's, check
         stop the APIs
     pgbench with the service's SQL (the ceiling); report; JSON
 
@@ -104,9 +117,10 @@ import typer
 
 from app.admin import create_client
 from bench import ceiling, costs, outbox, report, watching
-from bench.checks import Check, exactly_once, replays_check
+from bench.checks import Check, exactly_once, refunds_check, replays_check
 from bench.costs import STATS_SETTLE_SECONDS, CpuMeter, Wal, WalCount
-from bench.load import Load, Paid, RunResult, latency_ms
+from bench.load import Load, Paid, RunResult, latency_ms, refund_order
+from bench.report import REFUNDS
 from bench.system import (
     NAIVE, PHASED, RESULTS, UNWATCHED, WEBHOOKS, Databases, Server, Service, apis, console, database_server, fakes,
     merchant_and_worker, prepare_databases, register_webhook, running,
@@ -146,7 +160,7 @@ class Params:
 class Measured:
     """One measured run: what the clients saw, and what it cost."""
 
-    kind: str  # "phased", "unwatched", "naive", "replays" or "replays-unwatched"
+    kind: str  # "phased", "unwatched", "webhooks", "naive", "replays", "replays-unwatched" or "refunds"
     workers: int
     round: int
     warm: RunResult
@@ -162,6 +176,8 @@ class Measured:
     # started and when it ended, and how long after the end the dispatcher
     # took to deliver the rest.
     backlog: dict[str, float | int | None] = field(default_factory=dict)
+    # The refunds: how many payments there were to refund, and how many refunds were sent.
+    pool: dict[str, int] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -191,6 +207,7 @@ class Measured:
             if self.result.elapsed else None,
             "bench_seconds": self.timings,
             **({"webhook_backlog": self.backlog} if self.backlog else {}),
+            **({"refund_pool": self.pool} if self.pool else {}),
             "exactly_once": {"pass": self.passed,
                              "checks": [{"check": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks]},
         }
@@ -256,6 +273,7 @@ class Bench:
                          f"{p.runs} round{'s' if p.runs > 1 else ''} of {p.duration:g} s each, {p.concurrency} clients")
             self.settled = await costs.xact_commit(self.conn)  # the APIs have not run a query yet
             last: dict[str, list[Paid]] = {}
+            refundable: list[Paid] = []  # every payment of the phased service's rounds, oldest first
             for round_ in range(1, p.runs + 1):
                 order = (PHASED, UNWATCHED, WEBHOOKS, NAIVE) if round_ % 2 else (NAIVE, WEBHOOKS, UNWATCHED, PHASED)
                 for variant in order:
@@ -269,6 +287,8 @@ class Bench:
                                 v, self.dbs.service_url, self.dbs.rails_url, self.dbs.client_id, run),
                         )
                     last[variant] = measured.result.paid
+                    if variant in (PHASED, UNWATCHED):
+                        refundable += measured.warm.paid + measured.result.paid
             # Replays, watched and unwatched, in the order A B B A B A A B,
             # each for a quarter of the replay time: drift between them
             # cancels as in the rounds, and a burst of other work on the
@@ -295,6 +315,7 @@ class Bench:
                     )
             await self.watching_side_by_side(services, last, workers)
             await self.outbox_side_by_side(services, workers)
+            await self.refund_round(services[PHASED], refundable, workers)
 
     async def watching_side_by_side(self, services: dict[str, Service], last: dict[str, list[Paid]],
                                     workers: int) -> None:
@@ -357,6 +378,33 @@ class Bench:
                       f"ms, ratio {report.fmt(figures['cpu_ratio'], 3)} (median of {OUTBOX_ROUNDS} rounds); "
                       f"payments/s ratio {report.fmt(figures['rate_ratio'], 3)}; exactly-once "
                       + ("ok" if all(c.ok for c in checks) else "[red]FAILED[/]"))
+
+    async def refund_round(self, api: Service, refundable: list[Paid], workers: int) -> None:
+        """Partial refunds of the rounds' payments (bench/load.py's refund_order): refunds/s and their costs.
+
+        It runs after every other step of this worker count, so none of their
+        figures moves. The side-by-side steps before it do not count their
+        commits, so the system first idles until PostgreSQL has published
+        theirs: the refunds' xact_commit is then theirs alone.
+        """
+        p = self.params
+        with console.status(f"[{workers}w] refunds: idling {STATS_SETTLE_SECONDS:g} s for PostgreSQL's statistics"):
+            await asyncio.sleep(STATS_SETTLE_SECONDS)
+            self.settled = await costs.xact_commit(self.conn)
+        payments = refund_order(refundable)
+        async with Load(api.url, self.dbs.api_key, p.concurrency) as load:
+            measured = await self.measure(
+                REFUNDS, workers, 1, api, lambda duration: load.refunds(payments, duration), p.duration,
+                lambda run: refunds_check(self.dbs.service_url, self.dbs.rails_url, self.dbs.client_id, run),
+            )
+        sent = measured.warm.requests + measured.result.requests
+        measured.pool = {"payments": len(refundable), "refunds_sent": sent}
+        if next(payments, None) is None:
+            console.print(f"  [yellow]every one of the {len(refundable)} payments was refunded to its end before "
+                          f"the {p.duration:g} s were up: the run was {measured.result.elapsed:.1f} s[/]")
+        elif len(refundable) < p.concurrency:
+            console.print(f"  [yellow]{len(refundable)} payments for {p.concurrency} clients: refunds of one "
+                          "payment waited for each other[/]")
 
     async def webhooks_round(self, api: Service, workers: int, round_: int) -> None:
         """The phased service again, paid by the client with a webhook endpoint: the same load, plus the
