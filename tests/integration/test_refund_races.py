@@ -338,7 +338,7 @@ async def test_refunds_racing_a_returned_payouts_compensation_refund_the_charge_
         if recorded.sent_after(answer):
             assert answer.kind == NOT_REFUNDABLE, f"refund {answer.n} was sent after the return was recorded"
         if answer.kind == NOT_REFUNDABLE:
-            assert answer.json["status"] in ("returned", "refunded")
+            assert answer.json["payment_status"] in ("returned", "refunded")
             # Refused by the pre-check (nothing stored) or after the claim (stored).
             row = await key_row(db, acme.id, answer.key)
             if row is not None:
@@ -383,7 +383,7 @@ async def test_client_refunds_that_took_everything_before_the_return_leave_it_no
         if answer.kind == EXCEEDS:
             await assert_stored_and_replayed(http, stack, db, acme, payment_id, answer)
     [after] = await fire(http, stack, acme, payment_id, partial(250, 1, "after"))
-    assert after.kind == NOT_REFUNDABLE and after.json["status"] == "refunded"
+    assert after.kind == NOT_REFUNDABLE and after.json["payment_status"] == "refunded"
     assert await key_row(db, acme.id, after.key) is None
 
 
@@ -414,7 +414,7 @@ async def test_refunds_racing_their_payments_recovery_are_refused_until_it_succe
 
     # No worker yet: nothing can finish the payment, so every refund is refused, and nothing stored.
     waiting = await fire(http, stack, acme, payment_id, partial(300, 6, "early"))
-    assert [(a.kind, a.json["status"]) for a in waiting] == [(NOT_REFUNDABLE, "processing")] * 6
+    assert [(a.kind, a.json["payment_status"]) for a in waiting] == [(NOT_REFUNDABLE, "processing")] * 6
 
     # The worker's payout is held a second at the rail, so that refunds meet
     # the payment while its recovery is under way.
@@ -447,7 +447,7 @@ async def test_refunds_racing_their_payments_recovery_are_refused_until_it_succe
         if succeeded_watch.sent_after(answer):
             assert answer.kind in ("succeeded", EXCEEDS), f"refund {answer.n} sent after the payment succeeded"
         if answer.kind == NOT_REFUNDABLE:
-            assert answer.json["status"] == "processing"
+            assert answer.json["payment_status"] == "processing"
             assert await key_row(db, acme.id, answer.key) is None, "a refusal before the claim stores nothing"
         if answer.kind == EXCEEDS:
             await assert_stored_and_replayed(http, stack, db, acme, payment_id, answer)
