@@ -34,7 +34,8 @@ rows; it reads the table once and takes row locks on rows no phase writes
 any more, a returned payment's compensation apart, which waits for it). The
 CHECK is added NOT VALID (instant) and then validated, which reads the table
 under a SHARE UPDATE EXCLUSIVE lock that lets reads and writes go on. The
-refund table and its indexes are new.
+refund table and its indexes are new. docs/reference/performance.md has it
+measured on a million payments.
 
 Revision ID: 0011
 Revises: 0010
