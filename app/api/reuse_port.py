@@ -1,0 +1,86 @@
+"""One listening socket per API process, all on one port: how `payments api --workers N` spreads its connections.
+
+Where it sits: before any request, in how `payments api` (app/cli.py) hands
+its port to uvicorn's worker processes. uvicorn binds one socket in its
+supervisor and every worker accepts from it; whichever worker wakes first
+takes a new connection, and with long-lived keep-alive connections one
+process can end up holding most of them while the other idles. Here each
+worker binds a socket of its own with SO_REUSEPORT, and the kernel hands
+every new connection to one of the listening sockets on the port, chosen
+by a hash of the connection's addresses and ports. A worker that is still
+starting has not listened yet, so it is sent nothing; one that dies leaves
+the group, and the others get its share.
+
+This is an optimisation (docs/reference/performance.md#what-is-not-done-yet
+measures it); uvicorn's supervisor is kept as it is: signals, restarting a
+dead worker, stopping when one cannot start. Only the socket it passes to
+each worker is replaced by `PortPerProcess`, which is bound where it
+arrives.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+from uvicorn.config import STARTUP_FAILURE
+
+
+def available() -> bool:
+    """Whether this system spreads connections over sockets that share a port (Linux does, by a hash)."""
+    # BSD and macOS accept SO_REUSEPORT too, but hand every connection to
+    # one of the sockets: there the shared socket of uvicorn is kept.
+    return sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
+
+
+def claim(host: str, port: int) -> int:
+    """Check, in the supervisor, that `host:port` is free; the port (a port 0 is chosen here, once for all).
+
+    The socket is bound without SO_REUSEPORT, so a port held by anything,
+    another `payments api` included, refuses it (OSError): without this, a
+    second API on the same port would join the first one's sockets and
+    take half its connections instead of failing to start.
+    """
+    with socket.socket(_family(host)) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+        return probe.getsockname()[1]
+
+
+class PortPerProcess:
+    """What uvicorn's supervisor passes each worker process instead of a socket: the port to bind one on.
+
+    uvicorn pickles the sockets it gives a worker when it starts it;
+    unpickled in the worker, this is a socket bound there, on the shared
+    port, that only that worker accepts from. The worker listens on it
+    once its app has started.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+
+    def __reduce__(self) -> tuple[object, tuple[str, int]]:
+        return bind, (self.host, self.port)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket on `host:port` that shares the port with the other workers' (in the worker, at its start).
+
+    A port taken since the supervisor claimed it ends this worker with
+    uvicorn's start-up failure, on which the supervisor stops rather than
+    restart it for ever.
+    """
+    sock = socket.socket(_family(host))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        # Logging is not configured yet in a worker this early.
+        print(f"cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        sys.exit(STARTUP_FAILURE)
+    return sock
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
