@@ -123,7 +123,7 @@ def worst_balance(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not measured:
         return None
     b, r = max(measured, key=lambda br: br[0]["max_over_min"])
-    return {"kind": r["kind"], "round": r["round"], **b}
+    return {"kind": r["kind"], "round": r["round"], **b, "connections": r.get("api_connections_by_process", [])}
 
 
 def _target(key: str, value: float | None) -> dict[str, Any]:
@@ -352,7 +352,9 @@ def print_balance(block: dict[str, Any]) -> None:
     colour = "green" if worst["max_over_min"] <= goal else "red"
     console.print(f"[{colour}]{block['workers']}w: API workers' CPU, least even round ({worst['kind']} round "
                   f"{worst['round']}): {' / '.join(f'{p:.0f}%' for p in worst['percent'])}, max ÷ min "
-                  f"{fmt(worst['max_over_min'], 2)}, target ≤ {goal:.2f}[/]")
+                  f"{fmt(worst['max_over_min'], 2)}, target ≤ {goal:.2f}"
+                  + (f"; clients' connections held {' / '.join(map(str, held))}" if (held := worst.get("connections"))
+                     else "") + "[/]")
 
 
 def print_refunds(results: dict[str, Any], block: dict[str, Any]) -> None:

@@ -215,6 +215,17 @@ class Service(Process):
                 pass
         return workers
 
+    def connections(self) -> list[int]:
+        """The connections each worker process holds from clients, most first (while the load's are open)."""
+        held = []
+        for process in self.workers():
+            try:
+                held.append(sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == self.port
+                                for c in process.net_connections("tcp")))
+            except psutil.Error:
+                pass
+        return sorted(held, reverse=True)
+
     def stop(self) -> None:
         if not self.running:
             return

@@ -43,7 +43,7 @@ def test_the_worst_round_at_two_workers_is_the_target_row_and_one_worker_has_non
     assert target["target"] == "API workers' CPU: max ÷ min, worst round"
     assert target["value"] == 1.5 and target["met"] is False and target["goal"] == "<= 1.2×"
     assert blocks[2]["api_balance_worst"] | {"max_over_min": None} == {
-        "kind": "naive", "round": 1, "percent": [60.0, 40.0], "max_over_min": None}
+        "kind": "naive", "round": 1, "percent": [60.0, 40.0], "max_over_min": None, "connections": []}
     assert blocks[2]["phased"]["api_split_percent"] == ["53/47 (1.11)"]
     assert not any(t["target"].startswith("API workers'") for t in blocks[1]["targets"])
 
