@@ -191,7 +191,7 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
 
     import uvicorn
 
-    from app.api import reuse_port
+    from app.fastpath import reuse_port
     from app.api.http_protocol import Bounds, BoundedHttpToolsProtocol
 
     # Said before anything can stall, so a person sees at once that it started
@@ -231,7 +231,7 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
 
 
 def _serve_port_per_process(factory: str, host: str, port: int, workers: int, options: dict) -> None:
-    """uvicorn's supervisor and its N workers, each worker listening on a socket of its own (app/api/reuse_port.py).
+    """uvicorn's supervisor and its N workers, each worker listening on a socket of its own (app/fastpath/reuse_port.py).
 
     What uvicorn.run does for N workers, but for the socket: the supervisor
     claims the port (refusing a taken one, as uvicorn does, with its exit
@@ -245,7 +245,7 @@ def _serve_port_per_process(factory: str, host: str, port: int, workers: int, op
     from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import Multiprocess
 
-    from app.api import reuse_port
+    from app.fastpath import reuse_port
 
     try:
         port = reuse_port.claim(host, port)

@@ -15,7 +15,7 @@ A session's first run (the warm-up) starts its clients 10 ms apart, so their
 keep-alive connections arrive one by one, as real clients' do. Each
 connection stays with the worker process that accepted it for the whole run;
 `payments api --workers N` gives each worker a listening socket of its own
-(app/api/reuse_port.py) and the kernel chooses one per connection, and the
+(app/fastpath/reuse_port.py) and the kernel chooses one per connection, and the
 bench reports how the API's CPU was split between its workers in every round
 (the busiest ÷ the idlest is a target), so a skew shows.
 

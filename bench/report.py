@@ -44,7 +44,7 @@ TARGETS = {
     # fake merchant's left out, and both sides at the same moments.
     "outbox": ("the service's CPU per new payment: with webhooks ÷ without, at once", "<=", 1.10, "×"),
     # Of every round at 2 or more workers per API: the busiest worker
-    # process's CPU ÷ the idlest one's (app/api/reuse_port.py).
+    # process's CPU ÷ the idlest one's (app/fastpath/reuse_port.py).
     "balance": ("API workers' CPU: max ÷ min, worst round", "<=", 1.2, "×"),
 }
 

@@ -1,6 +1,6 @@
 """`payments api --workers N`: each worker process listens on a socket of its own, on the one port.
 
-What spreads the connections over the workers (app/api/reuse_port.py): the
+What spreads the connections over the workers (app/fastpath/reuse_port.py): the
 kernel chooses among the listening sockets that share the port, so each
 worker must hold one and the supervisor none (a socket of the supervisor's,
 shared by the workers, is uvicorn's default, the one that let keep-alive

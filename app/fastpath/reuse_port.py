@@ -11,11 +11,13 @@ by a hash of the connection's addresses and ports. A worker that is still
 starting has not listened yet, so it is sent nothing; one that dies leaves
 the group, and the others get its share.
 
-This is an optimisation (docs/reference/performance.md#what-is-not-done-yet
-measures it); uvicorn's supervisor is kept as it is: signals, restarting a
-dead worker, stopping when one cannot start. Only the socket it passes to
-each worker is replaced by `PortPerProcess`, which is bound where it
-arrives.
+An optimisation: the service answers the same with uvicorn's one shared
+socket (`--workers 1`, or a system without SO_REUSEPORT, uses it); it only
+keeps a worker from idling while another is the bottleneck
+(docs/reference/performance.md#api-workers-share-the-load measures it).
+uvicorn's supervisor is kept as it is: signals, restarting a dead worker,
+stopping when one cannot start. Only the socket it passes to each worker is
+replaced by `PortPerProcess`, which is bound where it arrives.
 """
 
 from __future__ import annotations
