@@ -204,12 +204,16 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
     # On SIGTERM uvicorn stops accepting and gives requests in flight this long
     # to finish; then it cancels them, and the app releases their leases
     # before it exits (app/api/in_flight.py).
+    # N workers, each on a socket of its own, keeping their shares of the
+    # connections even (app/fastpath/reuse_port.py); else uvicorn's one socket.
+    spread = workers > 1 and reuse_port.available()
     options = dict(
         log_level="warning", access_log=False,
         timeout_graceful_shutdown=settings.shutdown_grace_seconds,
         # Pickled into each worker process (uvicorn spawns them): the
         # class by its import path, the bounds by value.
-        http=functools.partial(BoundedHttpToolsProtocol, bounds=bounds),
+        http=functools.partial(reuse_port.BalancedHttpToolsProtocol if spread else BoundedHttpToolsProtocol,
+                               bounds=bounds),
         timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
         limit_concurrency=settings.limit_concurrency,
         # Whose X-Forwarded-For is believed; the same proxies are not
@@ -219,7 +223,7 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
         log_config=logs.dict_config(settings.log_format, settings.log_level),
     )
     try:
-        if workers > 1 and reuse_port.available():
+        if spread:
             _serve_port_per_process(factory, host, port, workers, options)
         else:
             uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, **options)

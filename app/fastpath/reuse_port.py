@@ -22,10 +22,15 @@ replaced by `PortPerProcess`, which is bound where it arrives.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
+import weakref
 
 from uvicorn.config import STARTUP_FAILURE
+from uvicorn.server import ServerState
+
+from app.api.http_protocol import BoundedHttpToolsProtocol
 
 
 def available() -> bool:
@@ -86,3 +91,77 @@ def bind(host: str, port: int) -> socket.socket:
 
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+# --- Keeping the shares even ---------------------------------------------------
+
+# How often each worker compares its share of the port's connections with
+# the others': often enough that a share set wrong at a round's start is put
+# right within its first seconds, rarely enough that reading the kernel's
+# table of sockets costs nothing that shows.
+CHECK_EVERY_SECONDS = 0.5
+_LISTEN, _ESTABLISHED = "0A", "01"  # socket states as /proc/net/tcp writes them
+
+
+def port_connections(port: int) -> tuple[int, int]:
+    """The sockets listening on `port` (one per live worker) and the connections accepted on it, all processes'."""
+    listening = established = 0
+    suffix = f":{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as rows:
+                next(rows, None)  # the header
+                for row in rows:
+                    fields = row.split(None, 4)
+                    if len(fields) > 3 and fields[1].endswith(suffix):
+                        listening += fields[3] == _LISTEN
+                        established += fields[3] == _ESTABLISHED
+        except OSError:
+            pass
+    return listening, established
+
+
+def excess(held: int, listening: int, established: int) -> int:
+    """How many of its `held` connections a worker should let go for every worker to hold at most its fair share."""
+    if listening < 2:
+        return 0
+    fair = -(-established // listening)  # rounded up: a share of one connection more is fair too
+    return max(0, held - fair)
+
+
+class BalancedHttpToolsProtocol(BoundedHttpToolsProtocol):
+    """The API's protocol, in a worker of `payments api --workers N`: a worker holding more than its share
+    of the port's connections closes some after their next answer, and their clients reconnect.
+
+    The kernel's hash spreads connections evenly on average, but of a few
+    long-lived ones, many more can fall to one worker than to another, and
+    stay there. A connection answered with `Connection: close` is opened again
+    by its client, and hashed afresh: the excess halves at each check, and
+    settles with no worker holding more than its share rounded up. What a
+    client sees is HTTP's ordinary end of a kept-alive connection, after a
+    whole answer.
+    """
+
+    def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
+        super().connection_made(transport)
+        if self.server_state not in _checking:
+            _checking[self.server_state] = asyncio.get_running_loop().create_task(
+                _keep_share(self.server_state, self.config.port))
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if getattr(self, "leaving", False) and self.cycle is not None:
+            self.cycle.keep_alive = False  # answered with `Connection: close`, then closed
+
+
+# One check per worker process (per server: weakly keyed, gone with it).
+_checking: weakref.WeakKeyDictionary[ServerState, asyncio.Task[None]] = weakref.WeakKeyDictionary()
+
+
+async def _keep_share(state: ServerState, port: int) -> None:
+    """Every CHECK_EVERY_SECONDS: mark this worker's connections beyond its share to close after their next answer."""
+    while True:
+        await asyncio.sleep(CHECK_EVERY_SECONDS)
+        staying = [c for c in state.connections if not getattr(c, "leaving", False)]
+        for connection in staying[:excess(len(staying), *port_connections(port))]:
+            connection.leaving = True  # type: ignore[attr-defined]
