@@ -137,7 +137,7 @@ def _secrets_key(settings) -> str:
 def api(
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
     port: int = typer.Option(8000, help="Port to listen on."),
-    workers: int = typer.Option(1, help="Worker processes (uvicorn)."),
+    workers: int = typer.Option(1, help="Worker processes (uvicorn), sharing the connections evenly (on Linux)."),
 ) -> None:
     """Serve the payment API (settings from the environment; see README)."""
     serve("app.main:create_app", host, port, workers)
