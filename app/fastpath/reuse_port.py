@@ -121,8 +121,14 @@ def port_connections(port: int) -> tuple[int, int]:
     return listening, established
 
 
-def excess(held: int, listening: int, established: int) -> int:
-    """How many of its `held` connections a worker should let go for every worker to hold at most its fair share."""
+def excess(held: int, listening: int, established: int, workers: int) -> int:
+    """How many of its `held` connections a worker should let go for every worker to hold at most its fair share.
+
+    Shared among the workers listening, at most `workers` of them: another
+    program may listen on the same port at another address, and counted, it
+    would make every share too small and the workers close connections for ever.
+    """
+    listening = min(listening, workers)
     if listening < 2:
         return 0
     fair = -(-established // listening)  # rounded up: a share of one connection more is fair too
@@ -146,7 +152,7 @@ class BalancedHttpToolsProtocol(BoundedHttpToolsProtocol):
         super().connection_made(transport)
         if self.server_state not in _checking:
             _checking[self.server_state] = asyncio.get_running_loop().create_task(
-                _keep_share(self.server_state, self.config.port))
+                _keep_share(self.server_state, self.config.port, self.config.workers))
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
@@ -158,10 +164,10 @@ class BalancedHttpToolsProtocol(BoundedHttpToolsProtocol):
 _checking: weakref.WeakKeyDictionary[ServerState, asyncio.Task[None]] = weakref.WeakKeyDictionary()
 
 
-async def _keep_share(state: ServerState, port: int) -> None:
+async def _keep_share(state: ServerState, port: int, workers: int) -> None:
     """Every CHECK_EVERY_SECONDS: mark this worker's connections beyond its share to close after their next answer."""
     while True:
         await asyncio.sleep(CHECK_EVERY_SECONDS)
         staying = [c for c in state.connections if not getattr(c, "leaving", False)]
-        for connection in staying[:excess(len(staying), *port_connections(port))]:
+        for connection in staying[:excess(len(staying), *port_connections(port), workers)]:
             connection.leaving = True  # type: ignore[attr-defined]

@@ -8,11 +8,15 @@ from app.fastpath.reuse_port import bind, claim, excess, port_connections
 
 
 def test_a_worker_over_its_share_rounded_up_lets_the_rest_go_and_one_alone_or_within_it_keeps_all():
-    assert excess(20, listening=2, established=32) == 4
-    assert excess(17, listening=2, established=33) == 0  # 17/16: the share rounded up
-    assert excess(16, listening=2, established=32) == 0
-    assert excess(12, listening=3, established=32) == 1
-    assert excess(30, listening=1, established=30) == 0  # the others dead or not yet listening
+    assert excess(20, listening=2, established=32, workers=2) == 4
+    assert excess(17, listening=2, established=33, workers=2) == 0  # 17/16: the share rounded up
+    assert excess(16, listening=2, established=32, workers=2) == 0
+    assert excess(12, listening=3, established=32, workers=3) == 1
+    assert excess(30, listening=1, established=30, workers=2) == 0  # the other dead or not yet listening
+
+
+def test_a_listener_beyond_the_workers_another_programs_makes_no_share_smaller():
+    assert excess(16, listening=3, established=32, workers=2) == 0
 
 
 def test_the_port_count_sees_each_workers_socket_and_the_accepted_connections_and_nothing_of_another_port():
