@@ -20,6 +20,6 @@ REPLAY_SHORTCUT: app/cli.py serves `payments api --workers N` with it, on Linux.
 
 - reuse_port.py: each worker process listens on a socket of its own on the
   one port, so the kernel spreads the connections over the workers instead
-  of the first to wake taking them, and no worker idles while another is
-  the bottleneck.
+  of the first to wake taking them, and a worker over its share closes the
+  excess after an answer; no worker idles while another is the bottleneck.
 """

@@ -11,6 +11,11 @@ by a hash of the connection's addresses and ports. A worker that is still
 starting has not listened yet, so it is sent nothing; one that dies leaves
 the group, and the others get its share.
 
+A hash is even on average, not for a few long-lived connections; so each
+worker also keeps its share (`BalancedHttpToolsProtocol`): one holding more
+than its share of the port's connections closes the excess after their next
+answer, and their clients reconnect and are hashed afresh.
+
 An optimisation: the service answers the same with uvicorn's one shared
 socket (`--workers 1`, or a system without SO_REUSEPORT, uses it); it only
 keeps a worker from idling while another is the bottleneck
