@@ -137,7 +137,7 @@ def _secrets_key(settings) -> str:
 def api(
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
     port: int = typer.Option(8000, help="Port to listen on."),
-    workers: int = typer.Option(1, help="Worker processes (uvicorn)."),
+    workers: int = typer.Option(1, help="Worker processes (uvicorn), sharing the connections evenly (on Linux)."),
 ) -> None:
     """Serve the payment API (settings from the environment; see README)."""
     serve("app.main:create_app", host, port, workers)
@@ -191,6 +191,7 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
 
     import uvicorn
 
+    from app.fastpath import reuse_port
     from app.api.http_protocol import Bounds, BoundedHttpToolsProtocol
 
     # Said before anything can stall, so a person sees at once that it started
@@ -203,26 +204,60 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
     # On SIGTERM uvicorn stops accepting and gives requests in flight this long
     # to finish; then it cancels them, and the app releases their leases
     # before it exits (app/api/in_flight.py).
+    # N workers, each on a socket of its own, keeping their shares of the
+    # connections even (app/fastpath/reuse_port.py); else uvicorn's one socket.
+    spread = workers > 1 and reuse_port.available()
+    options = dict(
+        log_level="warning", access_log=False,
+        timeout_graceful_shutdown=settings.shutdown_grace_seconds,
+        # Pickled into each worker process (uvicorn spawns them): the
+        # class by its import path, the bounds by value.
+        http=functools.partial(reuse_port.BalancedHttpToolsProtocol if spread else BoundedHttpToolsProtocol,
+                               bounds=bounds),
+        timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
+        limit_concurrency=settings.limit_concurrency,
+        # Whose X-Forwarded-For is believed; the same proxies are not
+        # counted as one peer (app/api/http_protocol.py).
+        forwarded_allow_ips=settings.trusted_proxies,
+        # Applied by uvicorn in every worker process: LOG_FORMAT, LOG_LEVEL.
+        log_config=logs.dict_config(settings.log_format, settings.log_level),
+    )
     try:
-        uvicorn.run(
-            factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False,
-            timeout_graceful_shutdown=settings.shutdown_grace_seconds,
-            # Pickled into each worker process (uvicorn spawns them): the
-            # class by its import path, the bounds by value.
-            http=functools.partial(BoundedHttpToolsProtocol, bounds=bounds),
-            timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
-            limit_concurrency=settings.limit_concurrency,
-            # Whose X-Forwarded-For is believed; the same proxies are not
-            # counted as one peer (app/api/http_protocol.py).
-            forwarded_allow_ips=settings.trusted_proxies,
-            # Applied by uvicorn in every worker process: LOG_FORMAT, LOG_LEVEL.
-            log_config=logs.dict_config(settings.log_format, settings.log_level),
-        )
+        if spread:
+            _serve_port_per_process(factory, host, port, workers, options)
+        else:
+            uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, **options)
     finally:
         if stop_metrics is not None:
             stop_metrics()
         if made_dir is not None:
             multiproc.remove(made_dir)
+
+
+def _serve_port_per_process(factory: str, host: str, port: int, workers: int, options: dict) -> None:
+    """uvicorn's supervisor and its N workers, each worker listening on a socket of its own (app/fastpath/reuse_port.py).
+
+    What uvicorn.run does for N workers, but for the socket: the supervisor
+    claims the port (refusing a taken one, as uvicorn does, with its exit
+    code 3) and hands each worker the port to bind, not a socket to share.
+    Signals, restarts and the stop on a worker that cannot start are
+    uvicorn's own (uvicorn.supervisors.Multiprocess).
+    """
+    import logging
+
+    import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
+    from uvicorn.supervisors import Multiprocess
+
+    from app.fastpath import reuse_port
+
+    try:
+        port = reuse_port.claim(host, port)
+    except OSError as exc:
+        logging.getLogger("uvicorn.error").error(exc)
+        sys.exit(STARTUP_FAILURE)
+    config = uvicorn.Config(factory, factory=True, host=host, port=port, workers=workers, **options)
+    Multiprocess(config, sockets=[reuse_port.PortPerProcess(host, port)]).run()  # type: ignore[list-item]
 
 
 @cli.command()

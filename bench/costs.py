@@ -352,12 +352,14 @@ class CpuMeter:
         return spent
 
     @staticmethod
-    def split(before: CpuMark, after: CpuMark, role: str) -> list[float]:
-        """A role's CPU seconds by process, largest first: how evenly uvicorn's workers shared the load."""
-        pids = after.seconds.get(role, {})
-        spent = [s - before.seconds.get(role, {}).get(pid, 0.0) for pid, s in pids.items()]
-        total = sum(spent)  # leaves out uvicorn's master, which only watches its workers
-        return sorted((round(s, 2) for s in spent if s > 0.02 * total), reverse=True)
+    def split(before: CpuMark, after: CpuMark, role: str, pids: set[int]) -> list[float]:
+        """The CPU seconds of a role's processes `pids` (uvicorn's workers), largest first: how evenly they shared the load.
+
+        Every worker is in it, an idle one with its 0.0: that is the skew to see.
+        """
+        spent = [s - before.seconds.get(role, {}).get(pid, 0.0) for pid, s in after.seconds.get(role, {}).items()
+                 if pid in pids]
+        return sorted((round(s, 3) for s in spent), reverse=True)
 
     @staticmethod
     def _by_name(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> Counter[str]:

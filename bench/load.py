@@ -12,11 +12,14 @@ so no request is cut off and none is in flight when the run's figures are
 read.
 
 A session's first run (the warm-up) starts its clients 10 ms apart, so their
-keep-alive connections arrive one by one, as real clients' do. Opened in one
-burst, they often all land on whichever of uvicorn's workers woke first (the
-workers share one listening socket), and `--workers 2`
-is then measured as one busy worker and one idle one for the whole run; the bench
-reports how the API's CPU was split between its workers, so a skew shows.
+keep-alive connections arrive one by one, as real clients' do. A connection
+stays with the worker process that accepted it until the server closes it:
+`payments api --workers N` gives each worker a listening socket of its own,
+the kernel chooses one per connection, and a worker holding more than its
+share closes the excess after an answer, which aiohttp opens again
+(app/fastpath/reuse_port.py). The bench reports how the API's CPU was split
+between its workers in every round (the busiest ÷ the idlest is a target),
+so a skew shows.
 
 Only the answer the test expects counts as a success, and latency is
 measured for successes only:

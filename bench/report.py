@@ -43,6 +43,9 @@ TARGETS = {
     # Judged side by side too (bench/outbox.py): the service's own CPU, the
     # fake merchant's left out, and both sides at the same moments.
     "outbox": ("the service's CPU per new payment: with webhooks ÷ without, at once", "<=", 1.10, "×"),
+    # Of every round at 2 or more workers per API: the busiest worker
+    # process's CPU ÷ the idlest one's (app/fastpath/reuse_port.py).
+    "balance": ("API workers' CPU: max ÷ min, worst round", "<=", 1.2, "×"),
 }
 
 
@@ -87,14 +90,40 @@ def summarize_kind(runs: list[dict[str, Any]], latency: dict[str, Any]) -> dict[
         "cpu_ms": {role: _per(seconds, n, 1000) for role, seconds in cpu.items()},
         "machine_busy_percent": mean(r["machine_busy_percent"] or 0 for r in runs),
         "api_split_percent": [_split(r["cpu_seconds_api_by_process"]) for r in runs],
+        "api_balance": [balance(r["cpu_seconds_api_by_process"]) for r in runs],
         "exactly_once": all(r["exactly_once"]["pass"] for r in runs),
     }
 
 
 def _split(seconds: list[float]) -> str:
-    """How the API's CPU was shared by its processes, e.g. "62/38"."""
+    """How the API's CPU was shared by its worker processes, e.g. "62/38 (1.63)": the busiest ÷ the idlest in brackets."""
+    b = balance(seconds)
+    return "-" if b is None else "/".join(f"{p:.0f}" for p in b["percent"]) + f" ({fmt(b['max_over_min'], 2)})"
+
+
+def balance(seconds: list[float]) -> dict[str, Any] | None:
+    """How evenly a round's CPU seconds were shared by the worker processes that spent them.
+
+    Each one's share in percent, busiest first, and the busiest's seconds ÷
+    the idlest's (infinite if one did nothing at all); None with fewer than
+    two processes, or no CPU spent.
+    """
     total = sum(seconds)
-    return "/".join(f"{100 * s / total:.0f}" for s in seconds) if total else "-"
+    if len(seconds) < 2 or total <= 0:
+        return None
+    ordered = sorted(seconds, reverse=True)
+    idlest = ordered[-1]
+    return {"percent": [round(100 * s / total, 1) for s in ordered],
+            "max_over_min": ordered[0] / idlest if idlest > 0 else float("inf")}
+
+
+def worst_balance(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The round whose worker processes shared the API's CPU least evenly: its kind, round and `balance`."""
+    measured = [(b, r) for r in runs if (b := balance(r.get("cpu_seconds_api_by_process", [])))]
+    if not measured:
+        return None
+    b, r = max(measured, key=lambda br: br[0]["max_over_min"])
+    return {"kind": r["kind"], "round": r["round"], **b, "connections": r.get("api_connections_by_process", [])}
 
 
 def _target(key: str, value: float | None) -> dict[str, Any]:
@@ -152,6 +181,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         outbox = results.get("outbox_side_by_side", {}).get(str(workers))
         outbox_figures = outbox["figures"] if outbox else {}
         ceiling_tps = results["ceiling"].get("tps")
+        worst = worst_balance(runs) if workers > 1 else None
         blocks.append({
             "workers": workers,
             **kinds,
@@ -172,6 +202,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 "outbox_side_by_side_rate": outbox_figures.get("rate_ratio"),
             },
             "side_by_side": side,
+            "api_balance_worst": worst,
             "targets": [
                 _target("rate", rate),
                 _target("replays", replay_ratio),
@@ -181,6 +212,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 *([_target("watching_replays", side_on.get("rate_ratio"))] if side else []),
                 *([_target("outbox", outbox_figures.get("cpu_ratio"))] if outbox else []),
                 *([_target("refund_writes", refunds["writing_txns"])] if refunds else []),
+                *([_target("balance", worst and worst["max_over_min"])] if workers > 1 else []),
             ],
         })
     return {
@@ -259,8 +291,8 @@ def print_block(results: dict[str, Any], block: dict[str, Any]) -> None:
     table.add_row("machine busy (both CPUs = 100%)", fmt((phased or {}).get("machine_busy_percent"), 0, "%"),
                   fmt((naive or {}).get("machine_busy_percent"), 0, "%"), "")
     if w > 1:
-        table.add_row("API CPU % by worker, per round", *[", ".join((k or {}).get("api_split_percent", []))
-                                                          for k in (phased, naive)], "")
+        table.add_row("API workers' CPU % (max ÷ min), per round",
+                      *[", ".join((k or {}).get("api_split_percent", [])) for k in (phased, naive)], "")
     table.add_row("requests not answered 201", str((phased or {}).get("not_201", "-")),
                   str((naive or {}).get("not_201", "-")), "")
     table.add_row("exactly-once, every round", *[_pass(k) for k in (phased, naive)], "")
@@ -300,11 +332,29 @@ def print_block(results: dict[str, Any], block: dict[str, Any]) -> None:
         _cpu_rows(rt, [replays], "replay")
         rt.add_row("machine busy", fmt(replays["machine_busy_percent"], 0, "%"), "")
         if w > 1:
-            rt.add_row("API CPU % by worker", ", ".join(replays["api_split_percent"]), "")
+            rt.add_row("API workers' CPU % (max ÷ min)", ", ".join(replays["api_split_percent"]), "")
         rt.add_row("exactly-once (byte-identical, nothing charged)", _pass(replays), "")
         console.print(rt)
     print_refunds(results, block)
     print_watching(block)
+    print_balance(block)
+
+
+def print_balance(block: dict[str, Any]) -> None:
+    """One line: how the least even round at this worker count split the API's CPU between its processes."""
+    worst = block.get("api_balance_worst")
+    if block["workers"] < 2:
+        return
+    if worst is None:
+        console.print(f"[yellow]{block['workers']}w: API workers' CPU: n/a (no round measured two worker processes)[/]")
+        return
+    goal = TARGETS["balance"][2]
+    colour = "green" if worst["max_over_min"] <= goal else "red"
+    console.print(f"[{colour}]{block['workers']}w: API workers' CPU, least even round ({worst['kind']} round "
+                  f"{worst['round']}): {' / '.join(f'{p:.0f}%' for p in worst['percent'])}, max ÷ min "
+                  f"{fmt(worst['max_over_min'], 2)}, target ≤ {goal:.2f}"
+                  + (f"; clients' connections held {' / '.join(map(str, held))}" if (held := worst.get("connections"))
+                     else "") + "[/]")
 
 
 def print_refunds(results: dict[str, Any], block: dict[str, Any]) -> None:

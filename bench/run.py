@@ -52,6 +52,11 @@ refunds/s beside new payments/s, and writing transactions per refund
     payment's refunded amount its refunds' sum.
 CPU ms per payment, by process
     See bench/costs.py: who spends the machine's two cores.
+the API's CPU by worker process, at 2 or more workers per API
+    Each round's split between the worker processes, and the busiest's CPU ÷
+    the idlest's: a worker left with few of the keep-alive connections
+    leaves the API bound by one process's CPU. The target: at most 1.2x in
+    the least even round.
 the database-only ceiling (pgbench)
     See bench/ceiling.py: our rate as a fraction of what PostgreSQL alone
     could do with the same statements.
@@ -168,7 +173,8 @@ class Measured:
     wal: WalCount | str = "not measured"
     xact_delta: int | None = None
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds by process during the run
-    api_split: list[float] = field(default_factory=list)  # the API's CPU seconds by process (master, workers)
+    api_split: list[float] = field(default_factory=list)  # the CPU seconds of each of the API's worker processes
+    api_connections: list[int] = field(default_factory=list)  # the clients' connections each worker held at the end
     others: list[tuple[str, float]] = field(default_factory=list)  # the busiest processes not ours
     checks: list[Check] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds of the bench's own time, by step
@@ -200,6 +206,7 @@ class Measured:
             },
             "cpu_seconds": {k: round(v, 3) for k, v in self.cpu.items()},
             "cpu_seconds_api_by_process": self.api_split,
+            "api_connections_by_process": self.api_connections,
             "cpu_seconds_busiest_other_processes": dict(self.others),
             "cpu_ms_per_operation": {k: round(v * 1000 / n, 3) if n else None for k, v in self.cpu.items()},
             "machine_busy_percent": round(100 * self.cpu.get(costs.MACHINE, 0.0)
@@ -495,10 +502,12 @@ class Bench:
             before = await self.cpu.mark(roles())
             result = await drive(duration)
             after = await self.cpu.mark(roles())
+            held = api.connections() if workers > 1 else []  # the clients' kept-alive ones are still open
             end_lsn = await self.wal.end()
         timings["run"] = lap()
         measured = Measured(kind, workers, round_, warm, result, cpu=CpuMeter.spent(before, after),
-                            api_split=CpuMeter.split(before, after, "API"),
+                            api_split=CpuMeter.split(before, after, "API", {p.pid for p in api.workers()}),
+                            api_connections=held,
                             others=CpuMeter.busiest_others(before, after))
         with console.status(f"{label}: checking; idling {STATS_SETTLE_SECONDS:g} s for PostgreSQL's statistics"):
             measured.wal, measured.checks = await asyncio.gather(

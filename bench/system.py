@@ -181,8 +181,10 @@ class Service(Process):
                                "grace": 15}, processes=processes)
 
     def __post_init__(self) -> None:
-        # Healthy, and every uvicorn worker up (so none misses the load).
-        self.ready = lambda: len(self.tree()) >= self.processes
+        # Healthy, and every uvicorn worker listening (so none misses the load:
+        # a connection made before a worker listens goes to another, for good).
+        self.ready = lambda: len(self.tree()) >= self.processes and (
+            self.processes == 1 or len(self.workers()) >= self.processes - 1)
 
     def start(self) -> Service:
         self.log.unlink(missing_ok=True)  # this run's output only
@@ -196,6 +198,33 @@ class Service(Process):
             return [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return []
+
+    def workers(self) -> list[psutil.Process]:
+        """uvicorn's worker processes: the descendants listening on the service's port.
+
+        Neither the supervisor (which may hold the port's socket too) nor
+        helpers of Python's multiprocessing (its resource tracker) are counted.
+        """
+        workers = []
+        for process in self.tree()[1:]:
+            try:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == self.port
+                       for c in process.net_connections("tcp")):
+                    workers.append(process)
+            except psutil.Error:
+                pass
+        return workers
+
+    def connections(self) -> list[int]:
+        """The connections each worker process holds from clients, most first (while the load's are open)."""
+        held = []
+        for process in self.workers():
+            try:
+                held.append(sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == self.port
+                                for c in process.net_connections("tcp")))
+            except psutil.Error:
+                pass
+        return sorted(held, reverse=True)
 
     def stop(self) -> None:
         if not self.running:

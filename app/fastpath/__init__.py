@@ -14,4 +14,12 @@ every answer is the same, byte for byte; the tests run one API each way
 - lookup_pool.py: that one read runs on asyncpg itself, from a pool of its
   own that sends no reset query when a connection goes back, saving
   SQLAlchemy's execution around it and a second round trip.
+
+One more is not on a request's path at all, and not switched by
+REPLAY_SHORTCUT: app/cli.py serves `payments api --workers N` with it, on Linux.
+
+- reuse_port.py: each worker process listens on a socket of its own on the
+  one port, so the kernel spreads the connections over the workers instead
+  of the first to wake taking them, and a worker over its share closes the
+  excess after an answer; no worker idles while another is the bottleneck.
 """
