@@ -78,6 +78,14 @@ async def statements(conn: asyncpg.Connection) -> dict[tuple[str, str], dict[str
     return by_text
 
 
+async def sessions(conn: asyncpg.Connection) -> dict[str, int]:
+    """Sessions opened so far, per database: a new backend's first statements read the catalogs
+    (hundreds of buffers), so a pool that opens connections mid-run shows in that round's buffers."""
+    await conn.execute(f"SELECT pg_stat_clear_snapshot() {PROBE}")
+    return dict(await conn.fetch(f"SELECT datname, sessions FROM pg_stat_database WHERE datname = ANY($1::text[]) "
+                                 f"{PROBE}", list(DATABASES)))
+
+
 async def tables(url: str) -> dict[str, dict[str, Any]]:
     """Per table (partitions apart): counters, dead tuples, autovacuum runs, sizes."""
     conn = await asyncpg.connect(url)
@@ -104,7 +112,7 @@ TABLE_COUNTERS = ("seq_scan", "seq_tup_read", "idx_scan", "idx_tup_fetch", "n_tu
                   "n_tup_hot_upd", "autovacuum_count", "autoanalyze_count")
 
 
-async def measure(rounds: int, duration: float, concurrency: int) -> dict[str, Any]:
+async def measure(rounds: int, duration: float, concurrency: int, warmup: float) -> dict[str, Any]:
     results: dict[str, Any] = {"rounds": []}
     with database_server() as server:
         dbs = prepare_databases(server)
@@ -121,10 +129,12 @@ async def measure(rounds: int, duration: float, concurrency: int) -> dict[str, A
                 roles = lambda: {"API": api.tree(), "fake PSP": psp.tree(), "fake rail": rail.tree()}  # noqa: E731
                 all_runs: list[RunResult] = []
                 async with Load(api.url, dbs.api_key, concurrency) as load:
-                    all_runs.append(await load.new_payments(2.0))  # warm-up: connections, caches; not counted
+                    all_runs.append(await load.new_payments(warmup))  # warm-up: connections, caches; not counted
+                    results["warmup_payments"] = all_runs[0].succeeded
                     await asyncio.sleep(STATS_SETTLE_SECONDS)
                     stmts_before = await statements(conn)
                     tables_before = {db: await tables(url) for db, url in urls.items()}
+                    sessions_before = await sessions(conn)
                     for number in range(1, rounds + 1):
                         cpu_before = await meter.mark(roles())
                         run = await load.new_payments(duration)
@@ -132,6 +142,7 @@ async def measure(rounds: int, duration: float, concurrency: int) -> dict[str, A
                         stmts_after = await statements(conn)
                         await asyncio.sleep(STATS_SETTLE_SECONDS)
                         tables_after = {db: await tables(url) for db, url in urls.items()}
+                        sessions_after = await sessions(conn)
                         all_runs.append(run)
                         n = run.succeeded
                         spent = CpuMeter.spent(cpu_before, cpu_after)
@@ -141,6 +152,8 @@ async def measure(rounds: int, duration: float, concurrency: int) -> dict[str, A
                         for db in DATABASES:
                             per_db: dict[str, Any] = {
                                 "cpu_ms_per_payment": round(spent.get(costs.PG_PARTS[db], 0.0) * 1000 / n, 3),
+                                # the probes' own sessions (tables() above) are one per round
+                                "sessions_opened": sessions_after.get(db, 0) - sessions_before.get(db, 0) - 1,
                             }
                             if stmts_after is not None and stmts_before is not None:
                                 by_query = {}
@@ -173,7 +186,7 @@ async def measure(rounds: int, duration: float, concurrency: int) -> dict[str, A
                             f"{figures['databases'][db]['cpu_ms_per_payment']} CPU ms"
                             for db in DATABASES)
                         console.print(f"round {number}: {n} payments ({run.per_second:.0f}/s); per payment {line}")
-                        stmts_before, tables_before = stmts_after, tables_after
+                        stmts_before, tables_before, sessions_before = stmts_after, tables_after, sessions_after
                 merged = RunResult()
                 for r in all_runs:
                     merged.paid += r.paid
@@ -213,14 +226,16 @@ def main(
     rounds: int = typer.Option(6, min=2, help="Rounds of new payments, one after the other."),
     duration: float = typer.Option(15.0, min=1, help="Seconds of each round."),
     concurrency: int = typer.Option(16, min=1, help="Concurrent clients."),
+    warmup: float = typer.Option(2.0, min=0.1, help="Seconds of new payments before the first round (not counted)."),
 ) -> None:
     """Rounds of new payments; the database's cost per payment in each, the service's and the fakes' apart."""
     started_at = datetime.now(UTC)
     clock = time.monotonic()
-    results = asyncio.run(measure(rounds, duration, concurrency))
+    results = asyncio.run(measure(rounds, duration, concurrency, warmup))
     results |= {"timestamp": started_at.isoformat(timespec="seconds"),
                 "wall_clock_s": round(time.monotonic() - clock, 1),
-                "parameters": {"rounds": rounds, "duration_s": duration, "concurrency": concurrency}}
+                "parameters": {"rounds": rounds, "duration_s": duration, "concurrency": concurrency,
+                               "warmup_s": warmup}}
     if len(results["rounds"]) >= 2:
         results["growers"] = growers(results)
         for db, rows in results["growers"].items():
