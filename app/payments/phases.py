@@ -125,6 +125,16 @@ async def handler1(
 
 
 # --- EXT1's outcome: the charge, then Handler2 -> EXT2_SENT | finished -----------------------------
+#
+# Each recording phase updates the one payment its key row names, found by
+# `payment.id = (SELECT payment_id FROM fence)`: no row if the fence matched
+# none. Written as a join (`FROM fence WHERE payment.id = fence.payment_id`)
+# the planner sizes it by the fence's estimate, a row for every partition of
+# the key table, and on a young payment table it hashes the fence and scans
+# all of payment; a pooled connection keeps that plan while the table grows,
+# until the next ANALYZE. The subquery is one value looked up in payment's
+# primary key, whatever the sizes were when it was planned (an optimisation:
+# docs/reference/performance.md, "Does the database's cost grow within a run?").
 
 # The charge succeeded: record it, build the payout instruction, post charge_captured.
 CHARGE_CAPTURED = advance(
@@ -132,8 +142,7 @@ CHARGE_CAPTURED = advance(
         UPDATE payment
            SET psp_charge_id = :charge_id, end_to_end_reference = :e2e, rail_transfer_key = :transfer_key,
                payout_instructed_at = now(), updated_at = now()
-          FROM fence
-         WHERE payment.id = fence.payment_id
+         WHERE payment.id = (SELECT payment_id FROM fence)
         RETURNING payment.*
     """,
     posted=postings.POSTED,
@@ -144,8 +153,7 @@ CHARGE_DECLINED = finish(
     updated="""
         UPDATE payment
            SET status = 'declined', psp_charge_id = :charge_id, decline_code = :decline_code, updated_at = now()
-          FROM fence
-         WHERE payment.id = fence.payment_id
+         WHERE payment.id = (SELECT payment_id FROM fence)
         RETURNING payment.*
     """,
 )
@@ -187,8 +195,7 @@ PAYOUT_SENT = finish(
     updated="""
         UPDATE payment
            SET status = 'succeeded', rail_transfer_id = :transfer_id, updated_at = now()
-          FROM fence
-         WHERE payment.id = fence.payment_id
+         WHERE payment.id = (SELECT payment_id FROM fence)
         RETURNING payment.*
     """,
     posted=postings.POSTED,
@@ -200,8 +207,7 @@ PAYOUT_REJECTED = advance(
         UPDATE payment
            SET rail_transfer_id = :transfer_id, reject_reason = :reject_reason, psp_refund_key = :refund_key,
                updated_at = now()
-          FROM fence
-         WHERE payment.id = fence.payment_id
+         WHERE payment.id = (SELECT payment_id FROM fence)
         RETURNING payment.*
     """,
 )
@@ -244,8 +250,7 @@ CHARGE_REFUNDED = finish(
     updated="""
         UPDATE payment
            SET status = :status, psp_refund_id = :refund_id, refunded_minor = amount_minor, updated_at = now()
-          FROM fence
-         WHERE payment.id = fence.payment_id
+         WHERE payment.id = (SELECT payment_id FROM fence)
         RETURNING payment.*
     """,
     posted=postings.POSTED,
