@@ -23,8 +23,11 @@ import asyncpg
 import pytest
 
 from app.payments import phases
+from app.payments.refunds import phases as refund_phases
 
 RECORDING = ("CHARGE_CAPTURED", "CHARGE_DECLINED", "PAYOUT_SENT", "PAYOUT_REJECTED", "CHARGE_REFUNDED")
+# A client refund's statements, and the tables each must read by an index only.
+REFUND = {"CLAIM_REFUND": ("payment",), "REFUND_SUCCEEDED": ("refund",), "REFUND_FAILED": ("refund", "payment")}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +56,26 @@ def scans(node: dict) -> list[tuple[str, str]]:
     for child in node.get("Plans", []):
         found += scans(child)
     return found
+
+
+async def generic_plan(young: asyncpg.Connection, sql: str) -> dict:
+    async with young.transaction():
+        await young.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        await young.execute(f"PREPARE recording AS {positional(sql)}")
+        count = await young.fetchval("SELECT cardinality(parameter_types) FROM pg_prepared_statements "
+                                     "WHERE name = 'recording'")
+        plan = json.loads(await young.fetchval(
+            f"EXPLAIN (FORMAT JSON) EXECUTE recording({', '.join(['NULL'] * count)})"))
+        await young.execute("DEALLOCATE recording")
+    return plan[0]["Plan"]
+
+
+@pytest.mark.parametrize("name", sorted(REFUND))
+async def test_a_refunds_statement_reads_its_payment_and_refund_by_an_index_on_young_tables(young, name):
+    found = scans(await generic_plan(young, getattr(refund_phases, name).sql))
+    for relation in REFUND[name]:
+        on_it = {kind for kind, r in found if r == relation}
+        assert on_it and on_it <= {"Index Scan", "Index Only Scan"}, (relation, found)
 
 
 @pytest.mark.parametrize("name", RECORDING)
