@@ -15,15 +15,19 @@ any plan reads payment other than through an index.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import re
 from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 
+from app.admin import migrate_database
 from app.payments import phases
 from app.payments.refunds import phases as refund_phases
+from devtools import embedded_db
 
 RECORDING = ("CHARGE_CAPTURED", "CHARGE_DECLINED", "PAYOUT_SENT", "PAYOUT_REJECTED", "CHARGE_REFUNDED")
 # A client refund's statements, and the tables each must read by an index only.
@@ -31,12 +35,21 @@ REFUND = {"CLAIM_REFUND": ("payment",), "REFUND_SUCCEEDED": ("refund",), "REFUND
 
 
 @pytest.fixture(scope="module")
-async def young(system) -> AsyncIterator[asyncpg.Connection]:
-    """A connection to a database fresh from migrations: every table empty and never analyzed."""
-    url = system.create_database("payments_plans", drop_at_end=True)
+async def young(system, server_url: str) -> AsyncIterator[asyncpg.Connection]:
+    """A connection to a database fresh from migrations: every table empty and never analyzed.
+
+    Made beside the session's database, never in its place: the processes
+    later tests start must go on using the session's (`system.create_database`
+    would make this one the service's). Its name is this worker's own.
+    """
+    name = f"payments_plans_{os.getpid()}"
+    url = server_url.rsplit("/", 1)[0] + "/" + name
+    await asyncio.to_thread(embedded_db.create_database, server_url, name, recreate=True)
+    await asyncio.to_thread(migrate_database, url, system.secrets_key)
     conn = await asyncpg.connect(url)
     yield conn
     await conn.close()
+    await asyncio.to_thread(embedded_db.drop_database, server_url, name)
 
 
 def positional(sql: str) -> str:
