@@ -43,11 +43,13 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +76,9 @@ from devtools.processes import NotHealthy, Process, free_port
 from devtools.system import System
 
 OUT = RESULTS / "callgrind"
-PRELOAD = (("shared_preload_libraries", "pg_stat_statements"), ("pg_stat_statements.track", "top"))
+# track=all: the statements inside claim_idempotency_key and the triggers are counted too, apart from (and
+# also inside) the statement that ran them.
+PRELOAD = (("shared_preload_libraries", "pg_stat_statements"), ("pg_stat_statements.track", "all"))
 COMMAND = {PHASED: "api", NAIVE: "naive-twin"}
 # Under valgrind, Python starts some fifty times slower than natively.
 VALGRIND_START_SECONDS = 900
@@ -88,12 +92,14 @@ class NoFigure(Exception):
 
 # --- The pure parts: tests/tooling/test_bench_instructions.py -----------------
 
-_TOTAL = re.compile(r"^(?:summary|totals):\s+(\d+)", re.MULTILINE)
+_TOTALS = re.compile(r"^totals:\s+(\d+)", re.MULTILINE)
+_SUMMARY = re.compile(r"^summary:\s+(\d+)", re.MULTILINE)
 
 
 def callgrind_total(text: str) -> int:
-    """The instructions (Ir) a callgrind output file counts in all: its `summary:` (or `totals:`) line."""
-    found = _TOTAL.search(text)
+    """The instructions (Ir) a callgrind output file counts in all: its `totals:` line (what valgrind prints as
+    "I refs"), else its `summary:` line."""
+    found = _TOTALS.search(text) or _SUMMARY.search(text)
     if found is None:
         raise NoFigure("callgrind's output has no summary: or totals: line")
     total = int(found.group(1))
@@ -155,7 +161,7 @@ OTHER_STATEMENTS = (
     ("naive.payment", "naive twin: payment"),
     ("naive.ledger_entry", "naive twin: ledger"),
     ("caller_id", "the caller's and the key's lookup"),
-    ("for key share", "a foreign key's check (trigger)"),
+    ("for key share", "the deferred foreign key's check (at commit)"),
     ("api_key", "the caller's lookup (API key)"),
     ("from client", "the caller's lookup (client)"),
     ("idempotency_key", "the key's lookup"),
@@ -227,7 +233,7 @@ def count(stack: Stack, variant: str, payments: int, replays: int, tag: str) -> 
     # The same hash seed every run: set and dict order, and so the work, do not vary from run to run.
     process.env["PYTHONHASHSEED"] = "0"
     process.argv = [require_valgrind(), "--tool=callgrind", f"--callgrind-out-file={out}", *process.argv]
-    process.log = LOGS / f"callgrind-{variant}.log"
+    process.log = LOGS / f"callgrind-{out.stem}.log"
     process.log.unlink(missing_ok=True)
     process.timeout, process.grace = VALGRIND_START_SECONDS, VALGRIND_STOP_SECONDS
     try:
@@ -238,7 +244,8 @@ def count(stack: Stack, variant: str, payments: int, replays: int, tag: str) -> 
         send(process.url, stack.api_key, payments, replays, replayed=variant == PHASED)
     finally:
         process.stop()
-    if process.popen.returncode != 0:
+    # uvicorn, once shut down cleanly, raises the SIGTERM again to exit by it.
+    if process.popen.returncode not in (0, -signal.SIGTERM):
         raise NoFigure(f"{variant} API under callgrind exited with {process.popen.returncode}; see {process.log}")
     if not out.exists():
         raise NoFigure(f"callgrind wrote no {out}; see {process.log}")
@@ -272,28 +279,33 @@ class Instructions:
     repeat: int
     per_payment: float
     per_replay: float | None
-    seconds: float  # the wall time of this repeat's callgrind runs
 
 
-def instructions(stack: Stack, variant: str, low: int, high: int, replays: int, repeat: int) -> Instructions:
-    started = time.monotonic()
-    tag = f"r{repeat}"
-    with console.status(f"{variant}: {low} payments under callgrind"):
-        fewer = count(stack, variant, low, 0, tag)
-    with console.status(f"{variant}: {high} payments under callgrind"):
-        more = count(stack, variant, high, 0, tag)
-    per_replay = None
-    if variant == PHASED and replays:
-        with console.status(f"{variant}: {low} payments and {replays} replays under callgrind"):
-            retried = count(stack, variant, low, replays, tag)
-        per_replay = per_unit(fewer, retried)
-    result = Instructions(variant, repeat, per_unit(fewer, more), per_replay, time.monotonic() - started)
-    console.print(f"{variant} repeat {repeat}: Ir {fewer.instructions:,} ({low} payments), {more.instructions:,} "
-                  f"({high}) → {result.per_payment:,.0f} per payment"
-                  + (f"; {retried.instructions:,} ({low} + {replays} replays) → {per_replay:,.0f} per replay"
-                     if per_replay is not None else "")
-                  + f"  [{result.seconds:.0f} s]")
-    return result
+def instructions(stack: Stack, chosen: list[str], low: int, high: int, replays: int, repeats: int,
+                 jobs: int) -> list[Instructions]:
+    """Every variant's callgrind runs (`repeats` times each), `jobs` at a time; the figures they give."""
+    runs = [(variant, payments, retries, repeat) for repeat in range(1, repeats + 1) for variant in chosen
+            for payments, retries in ((low, 0), (high, 0), *(((low, replays),) if variant == PHASED and replays else ()))]
+
+    def one(run: tuple[str, int, int, int]) -> Count:
+        variant, payments, retries, repeat = run
+        started = time.monotonic()
+        result = count(stack, variant, payments, retries, f"r{repeat}")
+        console.print(f"{variant} repeat {repeat}: {payments} payments, {retries} replays: Ir {result.instructions:,} "
+                      f"[{time.monotonic() - started:.0f} s]")
+        return result
+
+    console.print(f"{len(runs)} callgrind runs, {jobs} at a time")
+    with ThreadPoolExecutor(jobs) as pool:
+        counts = dict(zip(runs, pool.map(one, runs)))
+    figures = []
+    for repeat in range(1, repeats + 1):
+        for variant in chosen:
+            fewer, more = counts[(variant, low, 0, repeat)], counts[(variant, high, 0, repeat)]
+            retried = counts.get((variant, low, replays, repeat))
+            figures.append(Instructions(variant, repeat, per_unit(fewer, more),
+                                        per_unit(fewer, retried) if retried else None))
+    return figures
 
 
 # --- The database's cost per statement ---------------------------------------
@@ -302,9 +314,9 @@ def instructions(stack: Stack, variant: str, low: int, high: int, replays: int, 
 STATEMENTS_SQL = """
 SELECT s.query, s.calls, s.total_exec_time, s.mean_exec_time, s.rows,
        s.shared_blks_hit, s.shared_blks_read, s.shared_blks_dirtied, s.shared_blks_written,
-       s.wal_bytes, s.wal_records
+       s.wal_bytes, s.wal_records, s.toplevel
   FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid
- WHERE d.datname = $1 AND s.toplevel
+ WHERE d.datname = $1
  ORDER BY s.total_exec_time DESC
 """
 
@@ -357,13 +369,27 @@ def statement_costs(stack: Stack, server_url: str, variant: str, payments: int, 
     if not rows:
         raise NoFigure("pg_stat_statements recorded no statement in the service's database")
     phases = known_phases()
-    table = Table(title=f"{variant}: the database's cost per statement, {payments} payments one after another "
-                        f"(top {top} by total time)")
+    ran = [r for r in rows if r["toplevel"]]
+    inside = [r for r in rows if not r["toplevel"]]
+    show(ran[:top], payments, phases, f"{variant}: the database's cost per statement, {payments} payments one after "
+         f"another (top {top} by total time)", show_sql)
+    total_time = sum(r["total_exec_time"] for r in ran)
+    wal = sum(float(r["wal_bytes"]) for r in ran)
+    console.print(f"{variant}: all {len(ran)} statements: {total_time / payments:.3f} ms of execution, "
+                  f"{wal / payments:,.0f} WAL bytes, "
+                  f"{sum(r['shared_blks_hit'] + r['shared_blks_read'] for r in ran) / payments:.1f} shared blocks "
+                  f"touched per payment")
+    if inside:
+        show(inside[:top], payments, phases, f"{variant}: inside those, run by a function or a trigger "
+             "(already counted in the statement that ran them)", show_sql)
+
+
+def show(rows: list[asyncpg.Record], payments: int, phases: dict[str, str], title: str, show_sql: bool) -> None:
+    table = Table(title=title)
     for column in ("statement", "calls/payment", "mean ms", "hit/call", "read/call", "dirtied/call",
                    "written/call", "WAL B/call", "WAL rec/call", "rows/call"):
         table.add_column(column, justify="left" if column == "statement" else "right")
-    total_time = sum(r["total_exec_time"] for r in rows)
-    for r in rows[:top]:
+    for r in rows:
         calls = r["calls"]
         table.add_row(phase_of(r["query"], phases), f"{calls / payments:.2f}", f"{r['mean_exec_time']:.3f}",
                       *(f"{r[c] / calls:.1f}" for c in ("shared_blks_hit", "shared_blks_read", "shared_blks_dirtied",
@@ -371,12 +397,7 @@ def statement_costs(stack: Stack, server_url: str, variant: str, payments: int, 
                       f"{float(r['wal_bytes']) / calls:.0f}", f"{r['wal_records'] / calls:.1f}",
                       f"{r['rows'] / calls:.2f}")
     console.print(table, width=WIDE)
-    wal = sum(float(r["wal_bytes"]) for r in rows)
-    console.print(f"{variant}: all {len(rows)} statements: {total_time / payments:.3f} ms of execution, "
-                  f"{wal / payments:,.0f} WAL bytes, "
-                  f"{sum(r['shared_blks_hit'] + r['shared_blks_read'] for r in rows) / payments:.1f} shared blocks "
-                  f"touched per payment")
-    for r in rows[:top]:
+    for r in rows:
         name = phase_of(r["query"], phases)
         if show_sql or name == "other":
             console.print(f"  {name}: {' '.join(r['query'].split())[:300]}", soft_wrap=True, markup=False)
@@ -411,6 +432,7 @@ def main(
     variants: str = typer.Option(f"{PHASED},{NAIVE}", help="phased, naive or both."),
     skip_callgrind: bool = typer.Option(False, "--skip-callgrind", help="Only the database's cost per statement."),
     show_sql: bool = typer.Option(False, "--show-sql", help="Print each shown statement's text."),
+    jobs: int = typer.Option(1, min=1, help="Callgrind runs at a time (each is one process, one CPU)."),
 ) -> None:
     """The API's instructions per payment under callgrind, and the database's cost per statement."""
     chosen = [v.strip() for v in variants.split(",") if v.strip()]
@@ -432,8 +454,7 @@ def main(
                     for variant in chosen:
                         statement_costs(stack, server_url, variant, statements, warmup, top, show_sql)
                 if not skip_callgrind:
-                    figures = [instructions(stack, variant, low, high, replays, repeat)
-                               for repeat in range(1, repeats + 1) for variant in chosen]
+                    figures = instructions(stack, chosen, low, high, replays, repeats, jobs)
                     report(figures, chosen, low, high)
     except NoFigure as exc:
         console.print(f"[bold red]NO FIGURE: {exc}[/]")
