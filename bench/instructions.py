@@ -296,8 +296,12 @@ def instructions(stack: Stack, chosen: list[str], low: int, high: int, replays: 
         return result
 
     console.print(f"{len(runs)} callgrind runs, {jobs} at a time")
-    with ThreadPoolExecutor(jobs) as pool:
+    pool = ThreadPoolExecutor(jobs)
+    try:
         counts = dict(zip(runs, pool.map(one, runs)))
+    finally:
+        # On a failure or ^C the runs not yet started are dropped, not run to the end.
+        pool.shutdown(cancel_futures=True)
     figures = []
     for repeat in range(1, repeats + 1):
         for variant in chosen:
