@@ -63,9 +63,10 @@ bench: $(STAMP)
 # Figures the machine's noise does not move: the API's instructions per payment and per replay under
 # valgrind's callgrind, phased and naive, twice each, and the database's cost per statement from
 # pg_stat_statements (docs/reference/performance.md#instructions-per-payment-and-the-databases-cost-per-statement).
-# Needs valgrind (apt-get install valgrind); half an hour on a busy 2-CPU machine.
+# Needs valgrind (apt-get install valgrind). Ten callgrind runs, four at a time (each is one process, and the
+# counts do not depend on the CPU it gets): about 25 minutes on a busy 2-CPU machine.
 bench-instructions: $(STAMP)
-	$(BIN)/python -m bench.instructions --jobs 2
+	$(BIN)/python -m bench.instructions --jobs 4
 
 # The console's and /docs' pictures in docs/images/, made again from nothing
 # with the distribution's headless Chromium (apt-get install chromium chromium-driver).
