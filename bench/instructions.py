@@ -117,6 +117,7 @@ class Count:
     payments: int
     replays: int
     instructions: int
+    seconds: float = 0.0  # wall time from the API answering /healthz to its being told to stop
 
 
 def per_unit(fewer: Count, more: Count) -> float:
@@ -229,9 +230,9 @@ def require_valgrind() -> str:
     return valgrind
 
 
-def count(stack: Stack, variant: str, payments: int, replays: int, tag: str) -> Count:
+def count(stack: Stack, variant: str, payments: int, replays: int, tag: str, idle: float = 0.0) -> Count:
     """One run of `variant`'s API under callgrind: started, sent `payments` new payments then `replays`
-    retries of them, stopped; the instructions it executed in all."""
+    retries of them, left idle `idle` seconds, stopped; the instructions it executed in all."""
     OUT.mkdir(parents=True, exist_ok=True)
     out = OUT / f"{variant}-{payments}p-{replays}r-{tag}.out"
     out.unlink(missing_ok=True)
@@ -246,8 +247,11 @@ def count(stack: Stack, variant: str, payments: int, replays: int, tag: str) -> 
         process.start()
     except NotHealthy as exc:
         raise NoFigure(f"{variant} API under callgrind did not start: {exc}") from None
+    up = time.monotonic()
     try:
         send(process.url, stack.api_key, payments, replays, replayed=variant == PHASED)
+        time.sleep(idle)  # the idle measurement: what the API's timers cost by the second
+        seconds = time.monotonic() - up
     finally:
         process.stop()
     # uvicorn, once shut down cleanly, raises the SIGTERM again to exit by it.
@@ -255,7 +259,7 @@ def count(stack: Stack, variant: str, payments: int, replays: int, tag: str) -> 
         raise NoFigure(f"{variant} API under callgrind exited with {process.popen.returncode}; see {process.log}")
     if not out.exists():
         raise NoFigure(f"callgrind wrote no {out}; see {process.log}")
-    return Count(payments, replays, callgrind_total(out.read_text(errors="replace")))
+    return Count(payments, replays, callgrind_total(out.read_text(errors="replace")), seconds)
 
 
 def send(url: str, api_key: str, payments: int, replays: int, *, replayed: bool) -> None:
@@ -298,7 +302,7 @@ def instructions(stack: Stack, chosen: list[str], low: int, high: int, replays: 
         started = time.monotonic()
         result = count(stack, variant, payments, retries, f"r{repeat}")
         console.print(f"{variant} repeat {repeat}: {payments} payments, {retries} replays: Ir {result.instructions:,} "
-                      f"[{time.monotonic() - started:.0f} s]")
+                      f"[{time.monotonic() - started:.0f} s, {result.seconds:.0f} s up]")
         return result
 
     console.print(f"{len(runs)} callgrind runs, {jobs} at a time")
@@ -443,6 +447,8 @@ def main(
     skip_callgrind: bool = typer.Option(False, "--skip-callgrind", help="Only the database's cost per statement."),
     show_sql: bool = typer.Option(False, "--show-sql", help="Print each shown statement's text."),
     jobs: int = typer.Option(1, min=1, help="Callgrind runs at a time (each is one process, one CPU)."),
+    idle: str = typer.Option("", help="Instead: the API's instructions per idle second, from two runs with no "
+                             "payments left idle this long, e.g. 20,80."),
 ) -> None:
     """The API's instructions per payment under callgrind, and the database's cost per statement."""
     chosen = [v.strip() for v in variants.split(",") if v.strip()]
@@ -463,12 +469,33 @@ def main(
                 if statements:
                     for variant in chosen:
                         statement_costs(stack, server_url, variant, statements, warmup, top, show_sql)
-                if not skip_callgrind:
+                if idle:
+                    idle_rate(stack, chosen, [float(x) for x in idle.split(",")], jobs)
+                elif not skip_callgrind:
                     figures = instructions(stack, chosen, low, high, replays, repeats, jobs)
                     report(figures, chosen, low, high)
     except NoFigure as exc:
         console.print(f"[bold red]NO FIGURE: {exc}[/]")
         raise typer.Exit(1) from None
+
+
+def idle_rate(stack: Stack, chosen: list[str], seconds: list[float], jobs: int) -> None:
+    """Instructions per second of an idle API (its timers: uvicorn's tick, the metrics' thread): two runs
+    with no payments, idle for different times."""
+    runs = [(variant, s) for variant in chosen for s in seconds]
+    pool = ThreadPoolExecutor(jobs)
+    try:
+        counts = dict(zip(runs, pool.map(lambda run: count(stack, run[0], 0, 0, f"idle{run[1]:.0f}", run[1]), runs)))
+    finally:
+        pool.shutdown(cancel_futures=True)
+    for variant in chosen:
+        shorter, longer = counts[(variant, min(seconds))], counts[(variant, max(seconds))]
+        extra = longer.instructions - shorter.instructions
+        if extra <= 0:
+            raise NoFigure(f"{variant}: idle longer, no more instructions ({shorter} → {longer})")
+        console.print(f"{variant} idle: Ir {shorter.instructions:,} ({shorter.seconds:.1f} s up), "
+                      f"{longer.instructions:,} ({longer.seconds:.1f} s up) → "
+                      f"{extra / (longer.seconds - shorter.seconds):,.0f} per idle second")
 
 
 def report(figures: list[Instructions], chosen: list[str], low: int, high: int) -> None:
