@@ -230,6 +230,9 @@ def require_valgrind() -> str:
     return valgrind
 
 
+IN_PROCESS = False  # main's --in-process: the app driven in the measured process, with no server around it
+
+
 def count(stack: Stack, variant: str, payments: int, replays: int, tag: str, idle: float = 0.0) -> Count:
     """One run of `variant`'s API under callgrind: started, sent `payments` new payments then `replays`
     retries of them, left idle `idle` seconds, stopped; the instructions it executed in all."""
@@ -239,6 +242,10 @@ def count(stack: Stack, variant: str, payments: int, replays: int, tag: str, idl
     process = stack.system.api_process(f"callgrind-{variant}", command=COMMAND[variant], **SETTINGS[variant])
     # The same hash seed every run: set and dict order, and so the work, do not vary from run to run.
     process.env["PYTHONHASHSEED"] = "0"
+    if IN_PROCESS:
+        process.argv = [sys.executable, "-m", "bench.instructions", "--drive", variant, str(payments), str(replays)]
+        process.env["BENCH_API_KEY"] = stack.api_key
+        process.port = None  # not a server: it drives itself, and exits
     process.argv = [require_valgrind(), "--tool=callgrind", f"--callgrind-out-file={out}", *process.argv]
     process.log = LOGS / f"callgrind-{out.stem}.log"
     process.log.unlink(missing_ok=True)
@@ -249,8 +256,11 @@ def count(stack: Stack, variant: str, payments: int, replays: int, tag: str, idl
         raise NoFigure(f"{variant} API under callgrind did not start: {exc}") from None
     up = time.monotonic()
     try:
-        send(process.url, stack.api_key, payments, replays, replayed=variant == PHASED)
-        time.sleep(idle)  # the idle measurement: what the API's timers cost by the second
+        if IN_PROCESS:
+            process.popen.wait(VALGRIND_START_SECONDS)
+        else:
+            send(process.url, stack.api_key, payments, replays, replayed=variant == PHASED)
+            time.sleep(idle)  # the idle measurement: what the API's timers cost by the second
         seconds = time.monotonic() - up
     finally:
         process.stop()
@@ -320,6 +330,53 @@ def instructions(stack: Stack, chosen: list[str], low: int, high: int, replays: 
             figures.append(Instructions(variant, repeat, per_unit(fewer, more),
                                         per_unit(fewer, retried) if retried else None))
     return figures
+
+
+def drive(variant: str, payments: int, replays: int) -> None:
+    """--in-process: the app itself (create_app) driven by httpx through its ASGI interface, in this process,
+    with its lifespan, logging and metrics as `payments api` sets them up, and no server: no uvicorn tick
+    and no /metrics thread, whose work goes by the clock and not by the payment. The client's own work is in
+    the count, the same for both variants; uvicorn's HTTP parsing is not."""
+    import uvloop
+
+    from app.config import Settings
+    from app.observability import logs, multiproc
+
+    settings = Settings()
+    made = None
+    if variant == PHASED and settings.metrics_enabled:
+        path, fresh = multiproc.prepare()
+        made = path if fresh else None
+    logs.configure(settings.log_format, settings.log_level)
+    if variant == PHASED:
+        from app.main import create_app
+    else:
+        from naive_twin.app import create_app
+    app = create_app(settings)
+
+    async def run() -> None:
+        headers = {"Authorization": f"Bearer {os.environ['BENCH_API_KEY']}", "Content-Type": "application/json"}
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://api", headers=headers, timeout=300) as client:
+            sent = []
+            for _ in range(payments):
+                key, body = str(uuid.uuid4()), json.dumps(bodies.payment_body()).encode()
+                response = await client.post("/v1/payments", content=body, headers={"Idempotency-Key": key})
+                if response.status_code != 201:
+                    raise NoFigure(f"a new payment was answered {response.status_code}: {response.text[:300]}")
+                sent.append((key, body))
+            for i in range(replays):
+                key, body = sent[i % len(sent)]
+                response = await client.post("/v1/payments", content=body, headers={"Idempotency-Key": key})
+                if response.status_code != 201 or response.headers.get("Idempotent-Replayed") != "true":
+                    raise NoFigure(f"a replay was answered {response.status_code}")
+
+    try:
+        uvloop.install()
+        asyncio.run(run())
+    finally:
+        if made is not None:
+            multiproc.remove(made)
 
 
 # --- The database's cost per statement ---------------------------------------
@@ -447,10 +504,14 @@ def main(
     skip_callgrind: bool = typer.Option(False, "--skip-callgrind", help="Only the database's cost per statement."),
     show_sql: bool = typer.Option(False, "--show-sql", help="Print each shown statement's text."),
     jobs: int = typer.Option(1, min=1, help="Callgrind runs at a time (each is one process, one CPU)."),
+    in_process: bool = typer.Option(False, "--in-process", help="Drive the app in the measured process "
+                                    "(no server, no clock-driven timers) instead of `payments api` from outside."),
     idle: str = typer.Option("", help="Instead: the API's instructions per idle second, from two runs with no "
                              "payments left idle this long, e.g. 20,80."),
 ) -> None:
     """The API's instructions per payment under callgrind, and the database's cost per statement."""
+    global IN_PROCESS
+    IN_PROCESS = in_process
     chosen = [v.strip() for v in variants.split(",") if v.strip()]
     if not chosen or set(chosen) - set(COMMAND) or high <= low:
         raise typer.BadParameter("--variants is phased, naive or both; --high must exceed --low")
@@ -519,4 +580,7 @@ def report(figures: list[Instructions], chosen: list[str], low: int, high: int) 
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    if sys.argv[1:2] == ["--drive"]:
+        drive(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        typer.run(main)
