@@ -81,7 +81,7 @@ OUT = RESULTS / "callgrind"
 # also inside) the statement that ran them.
 PRELOAD = (("shared_preload_libraries", "pg_stat_statements"), ("pg_stat_statements.track", "all"))
 COMMAND = {PHASED: "api", NAIVE: "naive-twin"}
-# Under valgrind, Python starts some fifty times slower than natively.
+# Under valgrind, Python starts many times slower than natively, more so on a busy machine.
 VALGRIND_START_SECONDS = 900
 VALGRIND_STOP_SECONDS = 300
 # The statements' table is wider than the bench's other tables: in a log, 150 columns.
