@@ -1,6 +1,7 @@
 """Figures the machine's noise does not move: the API's instructions per payment, the database's cost per statement.
 
-    .venv/bin/python -m bench.instructions [--low 10] [--high 30] [--replays 20] [--repeats 2] [--statements 200]
+    .venv/bin/python -m bench.instructions [--in-process] [--low 10] [--high 30] [--replays 20] [--repeats 2]
+        [--statements 200] [--jobs 4] [--idle 20,80] [--skip-callgrind] [--show-sql]
 
 Not on a request's path: a bench of its own, beside `make bench` (whose
 payments/s and CPU seconds move with whatever else the shared machine runs).
@@ -20,7 +21,16 @@ The API's instructions
     `low` payments alone. What is left that is not the payment's own work:
     the timers that run by the clock (uvicorn's tick, the metrics flush),
     which under valgrind's slowdown run more often per payment than they do
-    natively; small beside a payment, and the same in every run.
+    natively. What does move the served API's count from run to run is
+    the readiness wait, most likely: the harness's /healthz polls are
+    requests it serves, and the phased /healthz says 503 until its probe
+    reaches the database (docs/reference/performance.md).
+
+    --in-process: instead, the app itself (create_app) in the measured
+    process, driven through its ASGI interface by httpx, with no server
+    around it: no readiness polls, no uvicorn tick, no /metrics thread. The
+    client's work is in the count (the same for both variants); uvicorn's
+    HTTP parsing is not.
 
 The database's cost per statement
     pg_stat_statements, on a PostgreSQL server of this bench's own (the
