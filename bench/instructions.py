@@ -21,10 +21,9 @@ The API's instructions
     `low` payments alone. What is left that is not the payment's own work:
     the timers that run by the clock (uvicorn's tick, the metrics flush),
     which under valgrind's slowdown run more often per payment than they do
-    natively. What does move the served API's count from run to run is
-    the readiness wait, most likely: the harness's /healthz polls are
-    requests it serves, and the phased /healthz says 503 until its probe
-    reaches the database (docs/reference/performance.md).
+    natively. The counts are not yet steady from run to run, in either
+    mode below: something in a run moves by about a hundred million
+    instructions, not yet found (docs/reference/performance.md).
 
     --in-process: instead, the app itself (create_app) in the measured
     process, driven through its ASGI interface by httpx, with no server
