@@ -10,7 +10,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run cluster soak test mutants bench bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-webhooks demo-return demo-refund-race
+.PHONY: install run cluster soak test mutants bench bench-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-webhooks demo-return demo-refund-race
 
 install: $(STAMP)
 
@@ -59,6 +59,14 @@ mutants: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# Figures the machine's noise does not move: the API's instructions per payment and per replay under
+# valgrind's callgrind, phased and naive, twice each, and the database's cost per statement from
+# pg_stat_statements (docs/reference/performance.md#instructions-per-payment-and-the-databases-cost-per-statement).
+# Needs valgrind (apt-get install valgrind). Ten callgrind runs, four at a time (each is one process, and the
+# counts do not depend on the CPU it gets): about 25 minutes on a busy 2-CPU machine.
+bench-instructions: $(STAMP)
+	$(BIN)/python -m bench.instructions --jobs 4
 
 # The console's and /docs' pictures in docs/images/, made again from nothing
 # with the distribution's headless Chromium (apt-get install chromium chromium-driver).

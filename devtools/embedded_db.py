@@ -42,6 +42,11 @@ MAX_CONNECTIONS = 400
 class EmbeddedServer:
     data_dir: Path
     port: int
+    # Extra server settings (`-c name=value`), for a server of its own that
+    # needs them (bench/instructions.py preloads pg_stat_statements). They
+    # apply only when this starts the server: `make run`'s and the tests'
+    # servers give none.
+    settings: tuple[tuple[str, str], ...] = ()
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
@@ -100,6 +105,7 @@ def start(server: EmbeddedServer) -> bool:
     # The socket goes in the data directory: /tmp may not be writable by the
     # server user, and no other program needs the socket (we use TCP).
     options = f"-h 127.0.0.1 -p {server.port} -k {server.data_dir} -c max_connections={MAX_CONNECTIONS}"
+    options += "".join(f" -c {name}={value}" for name, value in server.settings)
     subprocess.run(
         [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(server.data_dir), "-l", str(server.data_dir / "server.log"),
          "-o", options, "-w", "-t", "60", "start"],

@@ -1,0 +1,134 @@
+"""bench/instructions.py's arithmetic and its naming of statements; no valgrind, no database."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from app.machine.statements import Statement
+from app.payments import phases
+from bench.instructions import Count, NoFigure, callgrind_total, known_phases, per_unit, phase_of, spread
+from naive_twin import app as naive
+
+# The head and tail of a real callgrind output file (bench/results/callgrind/), cut short: `summary:` is
+# written before the per-function costs, `totals:` after them, and valgrind's "I refs" is the totals.
+CALLGRIND_OUT = """\
+# callgrind format
+version: 1
+creator: callgrind-3.19.0
+pid: 13637
+cmd:  /work/.venv/bin/python /work/.venv/bin/payments api --port 41227
+part: 1
+
+desc: I1 cache:
+desc: Timerange: Basic block 0 - 912442210
+desc: Trigger: Program termination
+
+positions: line
+events: Ir
+summary: 4704060322
+
+
+ob=(1) /usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2
+fl=(1) ???
+fn=(1) 0x000000000001fe10
+0 12
+totals: 4704061772
+"""
+
+
+def test_the_total_is_the_totals_line_which_valgrind_prints_as_i_refs():
+    assert callgrind_total(CALLGRIND_OUT) == 4704061772
+
+
+def test_without_a_totals_line_the_summary_is_the_total():
+    assert callgrind_total(CALLGRIND_OUT.replace("totals: 4704061772\n", "")) == 4704060322
+
+
+@pytest.mark.parametrize("text", ["", "events: Ir\n", "events: Ir\nsummary: 0\n", "# totals: 12\n"])
+def test_an_output_with_no_count_is_no_figure_not_a_zero(text):
+    with pytest.raises(NoFigure):
+        callgrind_total(text)
+
+
+def test_per_payment_is_the_difference_of_two_runs_over_the_difference_in_payments():
+    # 1000 of start-up in both runs; 50 per payment.
+    assert per_unit(Count(20, 0, 1000 + 20 * 50), Count(60, 0, 1000 + 60 * 50)) == 50
+
+
+def test_per_replay_is_the_difference_of_two_runs_over_the_replays_added():
+    assert per_unit(Count(20, 0, 2000), Count(20, 40, 2000 + 40 * 7)) == 7
+
+
+@pytest.mark.parametrize("fewer, more", [
+    (Count(20, 0, 1000), Count(20, 0, 2000)),  # the same requests: nothing to divide by
+    (Count(20, 0, 1000), Count(60, 40, 9000)),  # payments and replays both added: which one cost it?
+    (Count(60, 0, 9000), Count(20, 40, 9900)),  # fewer payments, more replays
+    (Count(20, 0, 5000), Count(60, 0, 5000)),  # no more instructions for more payments: a broken count
+    (Count(20, 0, 5000), Count(60, 0, 4000)),
+])
+def test_runs_that_do_not_differ_in_one_kind_of_request_alone_give_no_figure(fewer, more):
+    with pytest.raises(NoFigure):
+        per_unit(fewer, more)
+
+
+def test_spread_is_relative_to_the_smallest():
+    assert spread([100.0, 101.0]) == pytest.approx(0.01)
+    assert spread([101.0, 100.0, 100.5]) == pytest.approx(0.01)
+
+
+def as_the_server_shows_it(sql: str) -> str:
+    """A statement as pg_stat_statements shows it: SQLAlchemy's `:name`s as asyncpg's `$n` (one per name),
+    and a literal the way pg_stat_statements may replace it, by `$n` too."""
+    numbers: dict[str, int] = {}
+    shown = re.sub(r"(?<![:\w]):(\w+)", lambda m: f"${numbers.setdefault(m.group(1), len(numbers) + 1)}", sql)
+    return shown.replace("'succeeded'", f"${len(numbers) + 1}", 1)
+
+
+@pytest.mark.parametrize("name", ["HANDLER1", "CHARGE_CAPTURED", "CHARGE_DECLINED", "PAYOUT_SENT"])
+def test_each_phase_statement_is_named_by_its_phase(name):
+    statement = getattr(phases, name)
+    assert phase_of(as_the_server_shows_it(statement.sql), known_phases()) == name
+
+
+def test_the_naive_twins_statements_are_named_as_the_twins():
+    assert phase_of(as_the_server_shows_it(naive._PAID.text), known_phases()) == "naive twin PAID"
+    assert phase_of(as_the_server_shows_it(naive._INSERT.text), known_phases()) == "naive twin INSERT"
+
+
+def test_a_phase_is_matched_by_its_whole_text_not_by_a_part_of_it():
+    # HANDLER1 with one more column written is some other statement, not HANDLER1.
+    changed = phases.HANDLER1.sql.replace("beneficiary_iban", "beneficiary_iban, beneficiary_bic", 1)
+    assert changed != phases.HANDLER1.sql
+    assert phase_of(as_the_server_shows_it(changed), known_phases()) != "HANDLER1"
+
+
+def test_no_two_phase_statements_read_alike_once_normalised():
+    # Two that did would be named by whichever came last: every statement must keep a name of its own.
+    from sqlalchemy.sql.elements import TextClause
+
+    from app.payments import returns
+    from app.payments.refunds import phases as refund_phases
+
+    statements = [v for m in (phases, returns, refund_phases) for v in vars(m).values() if isinstance(v, Statement)]
+    statements += [v for v in vars(naive).values() if isinstance(v, TextClause)]
+    assert len(known_phases()) == len(statements)
+
+
+@pytest.mark.parametrize("query, name", [
+    ("SELECT c.id AS caller_id, k.client_id, k.key FROM client c LEFT JOIN idempotency_key k ON k.key = $1",
+     "the caller's and the key's lookup"),
+    ('SELECT 1 FROM ONLY "public"."payment" x WHERE "id" OPERATOR(pg_catalog.=) $1 FOR KEY SHARE OF x',
+     "foreign key: the payment row KEY SHARE"),
+    ("SELECT pg_advisory_xact_lock(hashtextextended(p_client_id::text || '/' || p_key, 0))",
+     "the claim: the key's advisory lock"),
+    ("INSERT INTO idempotency_key (client_id, key, stored_on) VALUES (p_client_id, p_key, key_table_day())",
+     "the claim: the key row's insert"),
+    ("SELECT 1 FROM idempotency_key WHERE client_id = p_client_id AND key = p_key", "the claim: is the key taken?"),
+    ("SELECT id FROM client WHERE api_key_hash = $1", "the caller's lookup (API key)"),
+    ("SELECT now() - pg_postmaster_start_time()", "the driver or pool (catalogue)"),
+    ("VACUUM payment", "other"),
+])
+def test_other_statements_are_named_by_what_their_text_says(query, name):
+    assert phase_of(query, known_phases()) == name
