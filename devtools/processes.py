@@ -51,11 +51,24 @@ class NotHealthy(Exception):
     """The process exited, or did not become ready in time."""
 
 
+# The ports free_port has handed out in this process. Nobody listens on a
+# port it returns, but nobody has yet either: the kernel may offer the same
+# port again before its taker binds it. An API was once given one port for
+# its metrics and the same one for itself; its metrics server took it,
+# answered the readiness poll (any path answers 200 there), and uvicorn then
+# could not bind it and exited.
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on right now, and never one this process was given before."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def answers_health(client: httpx.Client, url: str) -> bool:

@@ -65,3 +65,32 @@ def test_the_test_session_does_not_read_the_callers_service_settings():
     assert service_setting_names(os.environ) == []
     assert set(service_setting_names({"lease_seconds": "1", "PAYMENTS_CRASH_AT": "x", "PATH": "/bin"})) == {
         "lease_seconds", "PAYMENTS_CRASH_AT"}
+
+
+def test_free_port_never_hands_out_the_same_port_twice_in_one_process(monkeypatch):
+    """Two ports asked for one after the other (an API's own and its metrics') are always two ports."""
+    import socket
+
+    from devtools import processes
+
+    offered = iter([41001, 41001, 41002])  # the kernel offering the same port again
+
+    class Offer:
+        def __init__(self, *args):
+            self.port = next(offered)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            pass
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(processes, "_handed_out", set())
+    monkeypatch.setattr(socket, "socket", Offer)
+    assert [processes.free_port(), processes.free_port()] == [41001, 41002]
