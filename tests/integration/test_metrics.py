@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -115,7 +116,12 @@ async def both_processes_answering(url: str, directory: Path) -> list[float]:
         # New connections each time: a kept-alive one stays with the process that accepted it.
         async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0)) as fresh:
             await asyncio.gather(*(fresh.get(url + "/healthz") for _ in range(4)))
-        counts = per_process(directory, "200", route="/healthz", method="GET")
+        try:
+            counts = per_process(directory, "200", route="/healthz", method="GET")
+        except struct.error:
+            # A process that is starting has created its file and not yet
+            # written its header: it has answered nothing yet.
+            return False
         return len(counts) == 2 and all(counts)
 
     await until(both, "both API processes to answer")
