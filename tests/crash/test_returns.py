@@ -58,6 +58,17 @@ async def returned_to_a_dying_api(http, stack, db, acme, processes, point: str):
     return key, body, created, payment
 
 
+async def redeliver_as_a_duplicate(http, stack, n: dict) -> None:
+    """The rail's notification `n` once more, signed as its notifier would send it: answered as a duplicate."""
+    text = json.dumps(n["body"])
+    now = datetime.now(UTC)
+    sent = {"content-type": "application/json", "webhook-id": n["id"],
+            "webhook-timestamp": str(int(now.timestamp())),
+            "webhook-signature": Webhook(RAIL_SECRET).sign(n["id"], now, text)}
+    again = await http.post(stack.api + NOTIFICATIONS, content=text.encode(), headers=sent)
+    assert again.status_code == 200 and again.json()["outcome"] == "duplicate", again.text
+
+
 async def redelivered(http, stack) -> None:
     async def delivered() -> bool:
         return (await notifications(http, stack))[0]["state"] == "delivered"
@@ -105,13 +116,7 @@ async def test_a_crash_after_the_compensating_refund_was_sent_is_finished_with_t
     else:
         # The rail's message once more, as its notifier would send it again:
         # a duplicate, which resumes the stranded compensation like a retry.
-        text = json.dumps(n["body"])
-        now = datetime.now(UTC)
-        sent = {"content-type": "application/json", "webhook-id": n["id"],
-                "webhook-timestamp": str(int(now.timestamp())),
-                "webhook-signature": Webhook(RAIL_SECRET).sign(n["id"], now, text)}
-        again = await http.post(stack.api + NOTIFICATIONS, content=text.encode(), headers=sent)
-        assert again.status_code == 200 and again.json()["outcome"] == "duplicate", again.text
+        await redeliver_as_a_duplicate(http, stack, n)
     await status_is(db, body["reference"], "refunded")
 
     await assert_returned_once(http, stack, db, acme, key, body, created)
@@ -177,13 +182,7 @@ async def test_a_return_after_a_client_refund_compensates_only_what_is_left_acro
         processes.worker(**FAST_WORKER)
     else:
         [n] = await notifications(http, stack)
-        text = json.dumps(n["body"])
-        now = datetime.now(UTC)
-        sent = {"content-type": "application/json", "webhook-id": n["id"],
-                "webhook-timestamp": str(int(now.timestamp())),
-                "webhook-signature": Webhook(RAIL_SECRET).sign(n["id"], now, text)}
-        again = await http.post(stack.api + NOTIFICATIONS, content=text.encode(), headers=sent)
-        assert again.status_code == 200 and again.json()["outcome"] == "duplicate", again.text
+        await redeliver_as_a_duplicate(http, stack, n)
     await status_is(db, body["reference"], "refunded")
 
     [payment] = await payments_for(db, body["reference"])
