@@ -303,15 +303,7 @@ async def _apply(
         )
     ).mappings().one()
     returned = Payment(**row)
-    await conn.execute(
-        _POSTED,
-        dict(payment_id=returned.id, currency=returned.currency,
-             **postings.legs("payout_returned", postings.payout_returned(returned))),
-    )
-    await events.emit(
-        conn, client_id=returned.client_id, payment_id=returned.id,
-        event_type=events.RETURNED, data=PaymentView.of(returned).body(),
-    )
+    await _posted_and_told(conn, returned, "payout_returned", postings.payout_returned(returned), events.RETURNED)
     if returned.return_refund_minor == 0:
         return await _refunded_already(conn, returned)
     token = (
@@ -330,16 +322,21 @@ async def _refunded_already(conn: AsyncConnection, returned: Payment) -> Payment
     """The client's refunds took the whole charge: no compensation to send; the payment ends `refunded` now."""
     row = (await conn.execute(_REFUNDED_ALREADY, dict(id=returned.id))).mappings().one()
     refunded = Payment(**row)
+    await _posted_and_told(conn, refunded, "charge_refunded", postings.charge_refunded(refunded), events.REFUNDED)
+    return refunded
+
+
+async def _posted_and_told(
+    conn: AsyncConnection, payment: Payment, posting: str, entries: list[tuple[str, int, int]], event_type: str
+) -> None:
+    """A change of the payment's status in the return's transaction: its posting, and the event the client hears."""
     await conn.execute(
-        _POSTED,
-        dict(payment_id=refunded.id, currency=refunded.currency,
-             **postings.legs("charge_refunded", postings.charge_refunded(refunded))),
+        _POSTED, dict(payment_id=payment.id, currency=payment.currency, **postings.legs(posting, entries)),
     )
     await events.emit(
-        conn, client_id=refunded.client_id, payment_id=refunded.id,
-        event_type=events.REFUNDED, data=PaymentView.of(refunded).body(),
+        conn, client_id=payment.client_id, payment_id=payment.id, event_type=event_type,
+        data=PaymentView.of(payment).body(),
     )
-    return refunded
 
 
 # --- EXT4's outcome: the card refunded -> finished (refunded) ---------------------------------------
