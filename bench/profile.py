@@ -8,6 +8,10 @@ API's Python stacks with py-spy (`record --format raw`, 100 Hz, busy threads
 only, so samples are CPU time). py-spy needs to attach to another process
 (root, or ptrace allowed). It then prints:
 
+by layer
+    the HTTP server and framework, validation, SQLAlchemy, asyncpg, the rail
+    clients, metrics and logs, the outbox, the machine, the event loop: each
+    sample in the layer of its innermost frame that belongs to one (LAYERS).
 by package, self
     where the samples were when they were taken: the code that burned the
     CPU (a sample in asyncpg's protocol is asyncpg's cost, even when
@@ -57,12 +61,44 @@ def package_of(path: str) -> str:
     return parts[0].removesuffix(".py") or "?"
 
 
+# The layers a request passes through, by the package its code is in. A
+# sample is put in the layer of the innermost frame that belongs to one:
+# json, re or hashlib at the leaf are the work of whichever layer called them.
+LAYERS = (
+    ("the rail clients (httpx)", ("httpx", "httpcore", "app.rails")),
+    ("HTTP server and framework", ("uvicorn", "httptools", "h11", "starlette", "fastapi", "app.api", "anyio")),
+    ("validation (pydantic)", ("pydantic", "pydantic_core")),
+    ("SQLAlchemy", ("sqlalchemy",)),
+    ("asyncpg", ("asyncpg",)),
+    ("metrics and logs", ("prometheus_client", "logging", "app.observability", "structlog")),
+    ("the outbox", ("app.outbox",)),
+    ("the machine, the phases and the rest of ours", ("app.machine", "app.payments", "app.idempotency", "app.ledger", "app.db",
+                                    "app.fastpath", "app", "naive_twin.app")),
+    ("the event loop", ("asyncio", "uvloop", "selectors")),
+)
+# httpx's HTTP/1.1 is h11 too: a frame of h11 under httpcore is the client's, not the server's.
+_CLIENT_FIRST = ("httpx", "httpcore")
+
+
+def layer_of(packages: list[str]) -> str:
+    """The layer of one sample, from its frames' packages (outermost first)."""
+    client = any(p.split(".")[0] in _CLIENT_FIRST for p in packages)
+    for package in reversed(packages):
+        for layer, members in LAYERS:
+            if package in members or package.split(".")[0] in members:
+                if layer == "HTTP server and framework" and package == "h11" and client:
+                    return LAYERS[0][0]
+                return layer
+    return "other"
+
+
 def summarise(raw: str) -> dict[str, list[tuple[str, float]]]:
     """py-spy's raw (collapsed) stacks -> shares of all samples, by package and by hot spot."""
     self_package: Counter[str] = Counter()
     any_package: Counter[str] = Counter()
     self_file: Counter[str] = Counter()
     self_function: Counter[str] = Counter()
+    by_layer: Counter[str] = Counter()
     total = 0
     for line in raw.splitlines():
         stack, _, count_text = line.rpartition(" ")
@@ -81,6 +117,7 @@ def summarise(raw: str) -> dict[str, list[tuple[str, float]]]:
         self_function[f"{leaf['function']} ({package})"] += count
         for name in {package_of(f["file"]) for f in frames}:
             any_package[name] += count
+        by_layer[layer_of([package_of(f["file"]) for f in frames])] += count
 
     def shares(counter: Counter[str], n: int) -> list[tuple[str, float]]:
         return [(name, round(100 * c / total, 1)) for name, c in counter.most_common(n)] if total else []
@@ -92,6 +129,7 @@ def summarise(raw: str) -> dict[str, list[tuple[str, float]]]:
 
     return {
         "samples": [("total", float(total))],
+        "self_by_layer": shares(by_layer, len(LAYERS) + 1),
         "self_by_package": shares(self_package, 15),
         "anywhere_by_package": shares(any_package, 15),
         "self_by_file": shares(self_file, 15),
@@ -101,7 +139,8 @@ def summarise(raw: str) -> dict[str, list[tuple[str, float]]]:
 
 def print_summary(summary: dict[str, list[tuple[str, float]]], title: str) -> None:
     console.print(f"[bold]{title}[/]: {int(summary['samples'][0][1])} samples")
-    for key, heading in (("self_by_package", "by package, self"),
+    for key, heading in (("self_by_layer", "by layer (the innermost frame of a layer's own code)"),
+                         ("self_by_package", "by package, self"),
                          ("anywhere_by_package", "by package, anywhere on the stack"),
                          ("self_by_file", "by file, self"),
                          ("self_by_function", "by function, self")):

@@ -17,7 +17,18 @@ from app.config import Settings
 
 # Leases are compared with now() on the server, never with this process's
 # clock; UTC keeps the timestamps we print unambiguous.
-SERVER_SETTINGS = {"timezone": "UTC"}
+#
+# plan_cache_mode: every statement the service prepares is planned once and
+# the plan reused, never planned again for each call's parameters. Left to
+# choose, PostgreSQL compares the one plan for all parameters with plans made
+# for each call's, and a statement that writes to one day's partition of the
+# key table looks cheaper planned per call (that plan names one partition),
+# so it was planned again on every call, which cost more than all its
+# execution. The reused plan still skips the other days' partitions: it
+# prunes them when it starts, from the parameter (an optimisation:
+# docs/reference/performance.md, "One new payment in the database, statement
+# by statement").
+SERVER_SETTINGS = {"timezone": "UTC", "plan_cache_mode": "force_generic_plan"}
 
 
 def build_engine(settings: Settings) -> AsyncEngine:

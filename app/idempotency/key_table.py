@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any
 
 from sqlalchemy import text
@@ -33,6 +33,11 @@ class Lease:
     client_id: int
     key: str
     token: uuid.UUID
+    # The day partition the key row is stored in (its `stored_on`), so that
+    # every fenced write names the one partition to look in rather than
+    # searching them all (an optimisation: docs/reference/performance.md,
+    # "One new payment in the database, statement by statement").
+    stored_on: date
 
 
 @dataclass(frozen=True)
@@ -91,8 +96,10 @@ _EVENT_NEW_ATTEMPT = _event(recovery_point="recovery_point", attempt="attempts +
 # token, or NULL (so no row here) when the key exists: the caller then reads
 # the stored row. Its INSERT fails with "no partition ... found for row" if
 # today's partition is missing (app/machine/matrix.py::_start answers that 503).
+# `stored_on` is the day the function stored the row under: key_table_day()
+# reads the transaction's clock, the same inside the function and out.
 CLAIM_SQL = """
-    SELECT claimed.lease_token
+    SELECT claimed.lease_token, key_table_day() AS stored_on
       FROM claim_idempotency_key(:client_id, :key, :endpoint, :request_hash, :recovery_point,
                                  :payment_id, :lease_seconds) AS claimed(lease_token)
      WHERE claimed.lease_token IS NOT NULL
@@ -129,7 +136,7 @@ _TAKE_OVER = text(
      WHERE k.client_id = :client_id AND k.key = :key
        AND k.state = 'started' AND k.parked_at IS NULL
        AND (k.lease_expires_at IS NULL OR k.lease_expires_at < now())
-    RETURNING k.lease_token, before.not_sent
+    RETURNING k.lease_token, k.stored_on, before.not_sent
     """
 )
 
@@ -143,7 +150,7 @@ ADVANCE_SQL = f"""
            last_error = NULL,
            updated_at = now(),
            timeline = {_EVENT}
-     WHERE client_id = :client_id AND key = :key
+     WHERE client_id = :client_id AND key = :key AND stored_on = :stored_on
        AND lease_token = :token AND state = 'started'
     RETURNING payment_id
 """
@@ -160,7 +167,7 @@ FINISH_SQL = f"""
            finished_at = now(),
            updated_at = now(),
            timeline = {_EVENT}
-     WHERE client_id = :client_id AND key = :key
+     WHERE client_id = :client_id AND key = :key AND stored_on = :stored_on
        AND lease_token = :token AND state = 'started'
     RETURNING payment_id
 """
@@ -177,7 +184,7 @@ _RELEASE = text(
            next_attempt_at = now() + make_interval(secs => :retry_in),
            updated_at = now(),
            timeline = {_EVENT_IN_PLACE}
-     WHERE client_id = :client_id AND key = :key
+     WHERE client_id = :client_id AND key = :key AND stored_on = :stored_on
        AND lease_token = :token AND state = 'started'
     """
 )
@@ -199,7 +206,7 @@ _PARK = text(
            not_sent = :not_sent,
            updated_at = now(),
            timeline = {_EVENT_IN_PLACE}
-     WHERE client_id = :client_id AND key = :key
+     WHERE client_id = :client_id AND key = :key AND stored_on = :stored_on
        AND lease_token = :token AND state = 'started'
     """
 )
@@ -221,7 +228,7 @@ _UNPARK = text(
            timeline = {_EVENT_NEW_ATTEMPT}
      WHERE client_id = :client_id AND key = :key
        AND state = 'started' AND parked_at IS NOT NULL
-    RETURNING lease_token, attempts
+    RETURNING lease_token, stored_on, attempts
     """
 )
 
@@ -320,7 +327,7 @@ async def take_over(
             dict(client_id=client_id, key=key, lease_seconds=lease_seconds, event=event),
         )
     ).one_or_none()
-    return None if row is None else (Lease(client_id, key, row.lease_token), row.not_sent)
+    return None if row is None else (Lease(client_id, key, row.lease_token, row.stored_on), row.not_sent)
 
 
 async def release(
@@ -361,7 +368,7 @@ async def unpark(conn: AsyncConnection, client_id: int, key: str, lease_seconds:
     row = (
         await conn.execute(_UNPARK, dict(client_id=client_id, key=key, lease_seconds=lease_seconds, event=event))
     ).one_or_none()
-    return None if row is None else (Lease(client_id, key, row.lease_token), row.attempts)
+    return None if row is None else (Lease(client_id, key, row.lease_token, row.stored_on), row.attempts)
 
 
 async def stranded(conn: AsyncConnection, *, min_age: float, limit: int) -> list[tuple[int, str]]:
@@ -376,7 +383,8 @@ async def backlog(conn: AsyncConnection, *, min_age: float) -> Backlog:
 
 async def _fenced(conn: AsyncConnection, statement, lease: Lease, **params) -> None:
     result = await conn.execute(
-        statement, dict(client_id=lease.client_id, key=lease.key, token=lease.token, **params)
+        statement, dict(client_id=lease.client_id, key=lease.key, token=lease.token, stored_on=lease.stored_on,
+                        **params)
     )
     if result.rowcount != 1:
         raise LeaseLost(f"lease on {lease.key!r} was taken over; this attempt must stop")

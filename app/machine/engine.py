@@ -427,7 +427,8 @@ async def fenced(conn: AsyncConnection, statement: Statement, lease: Lease, **pa
     """Run a fenced statement under `lease`: the row it returns, or LeaseLost if the fence held nothing."""
     row = (
         await conn.execute(
-            statement.clause, dict(client_id=lease.client_id, key=lease.key, token=lease.token, **params)
+            statement.clause,
+            dict(client_id=lease.client_id, key=lease.key, token=lease.token, stored_on=lease.stored_on, **params),
         )
     ).mappings().one_or_none()
     if row is None:

@@ -64,7 +64,7 @@ def new_payment_id() -> uuid.UUID:
 # when the statement ends, refuses, and rolls the whole statement back,
 # claim included: a duplicate reference leaves no trace.
 HANDLER1 = claim(
-    "SELECT fence.lease_token, created.* FROM fence, created",
+    "SELECT fence.lease_token, fence.stored_on AS key_stored_on, created.* FROM fence, created",
     created="""
         INSERT INTO payment
             (id, client_id, reference, amount_minor, currency, fee_minor, net_minor,
@@ -119,8 +119,8 @@ async def handler1(
         ) from None
     if row is None:
         return None
-    lease = Lease(client_id, key, row["lease_token"])
-    payment = Payment(**{k: v for k, v in row.items() if k != "lease_token"})
+    lease = Lease(client_id, key, row["lease_token"], row["key_stored_on"])
+    payment = Payment(**{k: v for k, v in row.items() if k not in ("lease_token", "key_stored_on")})
     return Operation(machine, lease, EXT1_SENT, payment, resumed=False)
 
 

@@ -189,7 +189,7 @@ _COMPENSATION = text(
     -- of the same return waits on that row, finds it, and never gets here;
     -- and no client can send a key starting with '@'. (A conflict here
     -- would be a bug, and is raised.)
-    RETURNING lease_token
+    RETURNING lease_token, stored_on
     """
 )
 
@@ -306,7 +306,7 @@ async def _apply(
     await _posted_and_told(conn, returned, "payout_returned", postings.payout_returned(returned), events.RETURNED)
     if returned.return_refund_minor == 0:
         return await _refunded_already(conn, returned)
-    token = (
+    claimed = (
         await conn.execute(
             _COMPENSATION,
             dict(client_id=returned.client_id, key=comp_key, endpoint=COMPENSATION_ENDPOINT,
@@ -314,8 +314,9 @@ async def _apply(
                  recovery_point=EXT4_SENT, payment_id=returned.id, lease_seconds=lease_seconds,
                  event=f"returned by the rail ({line.reason_code})"),
         )
-    ).scalar_one()
-    return Operation(RETURN_REFUND, Lease(returned.client_id, comp_key, token), EXT4_SENT, returned, resumed=False)
+    ).one()
+    lease = Lease(returned.client_id, comp_key, claimed.lease_token, claimed.stored_on)
+    return Operation(RETURN_REFUND, lease, EXT4_SENT, returned, resumed=False)
 
 
 async def _refunded_already(conn: AsyncConnection, returned: Payment) -> Payment:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import replace
+from datetime import timedelta
 
 import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -65,13 +66,37 @@ async def new_operation(engine, acme, key: str) -> Operation:
 async def test_a_phase_run_under_a_lease_that_was_taken_over_writes_nothing(engine, db, acme, phase, outcome):
     key = str(uuid.uuid4())
     op = await new_operation(engine, acme, key)
-    stale = replace(op, lease=Lease(acme.id, key, uuid.uuid4()))
+    stale = replace(op, lease=Lease(acme.id, key, uuid.uuid4(), op.lease.stored_on))
     before = await snapshot(db, key)
 
     with pytest.raises(LeaseLost):
         await one_statement(engine, phase, stale, outcome, 30)
 
     assert await snapshot(db, key) == before
+
+
+async def test_the_lease_names_the_key_rows_day_and_a_row_moved_to_another_day_fences_its_old_owner_off(
+    engine, db, acme
+):
+    key = str(uuid.uuid4())
+    op = await new_operation(engine, acme, key)
+    stored = await db.fetchrow("SELECT stored_on FROM idempotency_key WHERE key = $1", key)
+    assert op.lease.stored_on == stored["stored_on"]
+
+    # What the reaper does to a row whose lease has run out: move it to
+    # another day's partition (one that exists: the days ahead are created).
+    later = stored["stored_on"] + timedelta(days=1)
+    await db.execute("UPDATE idempotency_key SET stored_on = $2 WHERE key = $1", key, later)
+    before = await snapshot(db, key)
+
+    with pytest.raises(LeaseLost):
+        await one_statement(engine, phases.record_charge, op, Charge(id="ch_1", status="succeeded"), 30)
+    assert await snapshot(db, key) == before
+
+    # The same token naming the row's new day is the owner again.
+    moved = replace(op, lease=replace(op.lease, stored_on=later))
+    advanced = await one_statement(engine, phases.record_charge, moved, Charge(id="ch_1", status="succeeded"), 30)
+    assert advanced.recovery_point == "EXT2_SENT"
 
 
 async def test_the_owner_advances_and_its_posting_balances(engine, db, acme):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import date, datetime, timezone
 from types import SimpleNamespace
 from typing import Any
 
@@ -45,6 +45,7 @@ from app.payments.recovery_points import (
 
 CLIENT = 1
 KEY = "key-1"
+STORED_ON = date(2026, 1, 1)  # the day partition every fake key row is in
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 LEGACY_IBAN = "GB82WEST12345698765432"
 
@@ -274,7 +275,7 @@ class FakeDB:
         k = self.keys[(CLIENT, KEY)]
         assert k.token is not None
         payment = self.payments[k.payment_id]
-        return Operation(PAYMENT, Lease(CLIENT, KEY, k.token), recovery_point, payment, resumed=resumed, attempt=attempt)
+        return Operation(PAYMENT, Lease(CLIENT, KEY, k.token, STORED_ON), recovery_point, payment, resumed=resumed, attempt=attempt)
 
     def steal(self) -> None:
         """Another attempt takes the lease over (ours expired while we waited on the network)."""
@@ -319,7 +320,7 @@ class FakeDB:
             endpoint=machine.endpoint, request_hash=request_hash, state="started", recovery_point=EXT1_SENT,
             payment_id=payment.id, token=token, lease_live=True, attempts=1,
         )
-        return Operation(machine, Lease(client_id, key, token), EXT1_SENT, payment, resumed=False)
+        return Operation(machine, Lease(client_id, key, token, STORED_ON), EXT1_SENT, payment, resumed=False)
 
     def _take_over(self, machines: Any, client_id: int, key: str, lease_seconds: float) -> Operation | None:
         # Only a started, unparked row whose lease has run out; not_sent is read and reset.
@@ -329,7 +330,7 @@ class FakeDB:
         not_sent, k.not_sent = k.not_sent, False
         k.token, k.lease_live, k.attempts = uuid.uuid4(), True, k.attempts + 1
         return Operation(
-            machines[k.endpoint], Lease(client_id, key, k.token), k.recovery_point, self.payments[k.payment_id],
+            machines[k.endpoint], Lease(client_id, key, k.token, STORED_ON), k.recovery_point, self.payments[k.payment_id],
             resumed=not not_sent, attempt=k.attempts,
         )
 
@@ -362,7 +363,7 @@ class FakeDB:
         k.parked, k.not_sent = False, False
         k.token, k.lease_live, k.attempts = uuid.uuid4(), True, k.attempts + 1
         payment = self._set_payment(k, status="processing")
-        return Operation(machine, Lease(client_id, key, k.token), k.recovery_point, payment, resumed=True, attempt=k.attempts)
+        return Operation(machine, Lease(client_id, key, k.token, STORED_ON), k.recovery_point, payment, resumed=True, attempt=k.attempts)
 
     def _record_charge(self, op: Operation, charge: Any, lease_seconds: float) -> Operation:
         k = self._fence(op.lease)

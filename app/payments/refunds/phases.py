@@ -74,7 +74,8 @@ def psp_refund_key(client_id: int, key: str, refund_id: uuid.UUID) -> str:
 # with this reference. Whatever did not happen shows as a missing row, and
 # `claim_refund` decides from them.
 CLAIM_REFUND = claim(
-    "SELECT fence.lease_token, locked.status AS payment_status, locked.remaining, created.*"
+    "SELECT fence.lease_token, fence.stored_on AS key_stored_on, locked.status AS payment_status, locked.remaining,"
+    " created.*"
     " FROM fence LEFT JOIN locked ON true LEFT JOIN created ON true",
     locked="""
         SELECT payment.id, payment.status, payment.currency, payment.psp_charge_id,
@@ -146,9 +147,10 @@ async def claim_refund(
     ).mappings().one_or_none()
     if row is None:
         return None
-    lease = Lease(client_id, key, row["lease_token"])
+    lease = Lease(client_id, key, row["lease_token"], row["key_stored_on"])
     if row["id"] is not None:
-        refund = Refund(**{k: v for k, v in row.items() if k not in ("lease_token", "payment_status", "remaining")})
+        refund = Refund(**{k: v for k, v in row.items()
+                           if k not in ("lease_token", "key_stored_on", "payment_status", "remaining")})
         return Operation(machine, lease, EXT5_SENT, refund, resumed=False)
     existing = (
         await conn.execute(_LIVE_BY_REFERENCE, dict(payment_id=payment_id, reference=request.reference))
