@@ -10,7 +10,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run cluster soak test mutants bench bench-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-webhooks demo-return demo-refund-race
+.PHONY: install run cluster soak test mutants bench bench-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
 
 install: $(STAMP)
 
@@ -122,6 +122,11 @@ demo-crash-all: $(STAMP)
 
 demo-naive-crash: $(STAMP)
 	$(BIN)/python -m demos.naive_crash
+
+# THE REDIS TWIN (keys in Redis, payments in PostgreSQL) killed between the two writes pays twice;
+# the service killed after the same commit, once (docs/naive-vs-safe.md#the-redis-window).
+demo-redis-window: $(STAMP)
+	$(BIN)/python -m demos.redis_window
 
 demo-client-bug: $(STAMP)
 	$(BIN)/python -m demos.client_bug

@@ -55,6 +55,37 @@ def first_attempt_dies(system: System, url: str, headers: dict[str, str], body: 
         raise DemoError("the first attempt was answered; the crash did not happen")
 
 
+def retry_until_answered(url: str, body: dict, headers: dict[str, str], attempt: int = 1) -> httpx.Response:
+    """Retry as a client is told to: while the answer is a 409, wait its Retry-After and try again (a minute at most)."""
+    deadline = time.monotonic() + 60
+    while True:
+        attempt += 1
+        retry = httpx.post(f"{url}/v1/payments", json=body, headers=headers, timeout=30)
+        console.print(f"  client> attempt {attempt}: {retry.status_code}"
+                      + (f"  Retry-After: {retry.headers['Retry-After']} s" if retry.status_code == 409 else ""))
+        if retry.status_code != 409 or time.monotonic() > deadline:
+            return retry
+        time.sleep(float(retry.headers.get("Retry-After", "1")))  # what a client is told to do
+
+
+def charges_now(system: System, reference: str, said: str, *, safe: bool) -> int:
+    """The PSP's charges for `reference` now, and what they mean (`said`), in green if `safe`, else red; how many."""
+    rows = charges(system, reference)
+    console.print(charge_table(rows, "the PSP now"))
+    colour = "green" if safe else "red"
+    console.print(Panel(f"[bold {colour}]{len(rows)} charge{'' if len(rows) == 1 else 's'}[/]{said}",
+                        border_style=colour))
+    return len(rows)
+
+
+def verdict(twin: str, twin_charges: int, real_charges: int) -> None:
+    """PASS (exit 0) if the twin charged twice and the service once for the same crash, else FAIL (exit 1)."""
+    ok = twin_charges == 2 and real_charges == 1
+    console.print(("[green]PASS[/]" if ok else "[red]FAIL[/]") + f" the {twin} charged {twin_charges} times, "
+                  f"the real service {real_charges} time(s), for the same crash")
+    raise typer.Exit(0 if ok else 1)
+
+
 def naive_story(system: System) -> int:
     step(console, 1, "THE NAIVE TWIN: charge, then crash")
     reference = f"order-{uuid.uuid4().hex[:8]}"
@@ -69,13 +100,9 @@ def naive_story(system: System) -> int:
     naive = system.naive_api()
     retry = httpx.post(f"{naive.url}/v1/payments", json=body, headers=auth, timeout=30)
     console.print(f"  client> attempt 2: {retry.status_code} {retry.json().get('status')}")
-    rows = charges(system, reference)
-    console.print(charge_table(rows, "the PSP now"))
-    console.print(Panel(
-        f"[bold red]{len(rows)} charges[/] for one order. Each attempt sent the PSP a fresh idempotency key, "
-        "so the PSP could not see a retry; and the twin kept no key of its own, so neither could it.",
-        border_style="red"))
-    return len(rows)
+    return charges_now(system, reference, " for one order. Each attempt sent the PSP a fresh idempotency key, "
+                       "so the PSP could not see a retry; and the twin kept no key of its own, so neither could it.",
+                       safe=False)
 
 
 def service_story(system: System) -> int:
@@ -89,34 +116,16 @@ def service_story(system: System) -> int:
     console.print(charge_table(charges(system, reference), "the PSP after the crash: the card is charged"))
 
     step(console, 4, "THE REAL SERVICE: the client retries with the same key")
-    api = system.api()
-    deadline = time.monotonic() + 60
-    attempt = 1
-    while True:
-        attempt += 1
-        retry = httpx.post(f"{api.url}/v1/payments", json=body, headers=headers, timeout=30)
-        console.print(f"  client> attempt {attempt}: {retry.status_code}"
-                      + (f"  Retry-After: {retry.headers['Retry-After']} s" if retry.status_code == 409 else ""))
-        if retry.status_code != 409 or time.monotonic() > deadline:
-            break
-        time.sleep(float(retry.headers.get("Retry-After", "1")))  # what a client is told to do
-    rows = charges(system, reference)
-    console.print(charge_table(rows, "the PSP now"))
-    console.print(Panel(
-        f"[bold green]{len(rows)} charge[/]. The retry took the dead attempt's place, probed the PSP by K1, "
-        "found the charge it had made, recorded it and paid out: once.",
-        border_style="green"))
-    return len(rows)
+    retry_until_answered(system.api().url, body, headers)
+    return charges_now(system, reference, ". The retry took the dead attempt's place, probed the PSP by K1, "
+                       "found the charge it had made, recorded it and paid out: once.", safe=True)
 
 
 def main() -> None:
     with session(console, System()) as system:
         naive = naive_story(system)
         real = service_story(system)
-    ok = naive == 2 and real == 1
-    console.print(("[green]PASS[/]" if ok else "[red]FAIL[/]") +
-                  f" the naive twin charged {naive} times, the real service {real} time(s), for the same crash")
-    raise typer.Exit(0 if ok else 1)
+    verdict("naive twin", naive, real)
 
 
 if __name__ == "__main__":

@@ -112,6 +112,10 @@ class System(devtools_system.System):
         """THE NAIVE TWIN (naive_twin/), the unsafe counter-example, as a process."""
         return self._up(lambda: self.start_api(name, command="naive-twin", **(env or {})))
 
+    def redis_twin_api(self, *, name: str = "redis-twin", env: dict[str, str] | None = None) -> Proc:
+        """THE REDIS TWIN (redis_twin/), the second unsafe counter-example, as a process; `env` names its REDIS_URL."""
+        return self._up(lambda: self.start_api(name, command="redis-twin", **(env or {})))
+
     def worker(self) -> Proc:
         return self._up(lambda: self.start_worker("worker", WORKER_MIN_AGE_SECONDS="0", WORKER_POLL_SECONDS="0.2"))
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
-SOURCE_DIRS = ("app", "fake_rails", "naive_twin", "payments_client", "demos", "bench", "tests", "migrations")
+SOURCE_DIRS = ("app", "fake_rails", "naive_twin", "redis_twin", "payments_client", "demos", "bench", "tests", "migrations")
 
 CODE_REF = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w.-]+\.py)::([A-Za-z_][\w.]*)")
 TEST_NAME = re.compile(r"\b(test_[a-z0-9_]+)\b(?!\.py)")

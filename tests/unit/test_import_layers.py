@@ -1,7 +1,7 @@
 """Dependencies point one way in the whole checkout, and no module cycle hides anywhere: checked on every `make test`.
 
 The contracts live in pyproject.toml ([tool.importlinter]): across the
-checkout, (bench, demos) -> (devtools, naive_twin) -> app, with the fakes and
+checkout, (bench, demos) -> redis_twin -> (devtools, naive_twin) -> app, with the fakes and
 the client SDK importing neither the service nor each other; inside the
 service, api -> payments -> (idempotency, ledger, rails, outbox, db), workers
 beside api; nothing importing back up a layer, and no two sibling modules
