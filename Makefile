@@ -10,7 +10,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run cluster soak test mutants bench bench-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
+.PHONY: install run cluster soak test mutants bench bench-rate bench-explain bench-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
 
 install: $(STAMP)
 
@@ -59,6 +59,16 @@ mutants: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# Only the rounds that judge "faster than unsafe": phased and naive alternating, five rounds at 1 and 2
+# workers, the rate as the median of the rounds' ratios and the service database's CPU per payment.
+bench-rate: $(STAMP)
+	$(BIN)/python -m bench.run --rate-only
+
+# One new payment's every statement under EXPLAIN (ANALYZE, BUFFERS, WAL), phased and naive, on a PostgreSQL
+# of the bench's own (docs/reference/performance.md#one-new-payment-in-the-database-statement-by-statement).
+bench-explain: $(STAMP)
+	$(BIN)/python -m bench.explain
 
 # Figures the machine's noise does not move: the API's instructions per payment and per replay under
 # valgrind's callgrind, phased and naive, twice each, and the database's cost per statement from

@@ -194,7 +194,8 @@ async def record_one_payment(api_key: str, client_id: int) -> list[Recorded]:
     # What each statement answers, in the order the request path issues them.
     recorder = _Recorder([
         {"caller_id": client_id, "key": None},  # the caller, and no row under this key yet
-        {"lease_token": uuid.uuid4(), **asdict(created)},  # Handler1's claim and payment
+        # Handler1's claim and payment, and the day partition the claim stored the key row in.
+        {"lease_token": uuid.uuid4(), "key_stored_on": now.date(), **asdict(created)},
         asdict(charged),
         asdict(paid),
     ])
@@ -266,6 +267,8 @@ def script(recorded: list[Recorded]) -> str:
         parts.append(render(r, variables) + ending)
         if r.answer and "lease_token" in r.answer:
             variables["token"] = f":s{number}_lease_token"  # the lease this statement took, for the later ones
+        if r.answer and "key_stored_on" in r.answer:
+            variables["stored_on"] = f":s{number}_key_stored_on"  # and its key row's day
     return "\n".join(parts) + "\n"
 
 

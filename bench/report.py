@@ -16,12 +16,13 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from statistics import mean
+from statistics import mean, median
 from typing import Any
 
 from rich.table import Table
 
 from bench.costs import LOAD_GENERATOR, MACHINE, OTHERS, PG_PARTS
+from bench.system import SERVICE_DATABASE
 from bench.system import console
 
 KINDS = ("phased", "naive")
@@ -30,7 +31,13 @@ WATCHING = ("unwatched", "replays", "replays-unwatched")
 # A partial refund of each of the phased rounds' payments, after every other step.
 REFUNDS = "refunds"
 TARGETS = {
-    "rate": ("payments/s: phased ÷ naive", ">=", 0.8, "×"),
+    # The median of the rounds' own ratios: each round runs both, one just
+    # after the other, so a burst of other work weighs on one round, not on
+    # the verdict.
+    "rate": ("payments/s: phased ÷ naive, median of the rounds", ">=", 1.0, "×"),
+    # The service database's backends: the part of PostgreSQL's CPU that is
+    # the service's own statements, not the fakes'.
+    "db_cpu": ("service DB backends' CPU per payment: phased ÷ naive", "<=", 1.0, "×"),
     "replays": ("replays/s ÷ new payments/s", ">=", 10.0, "×"),
     "writes": ("writing transactions per payment", "==", 3.0, ""),
     # The claim (key row, reservation, refund) and the PSP's answer recorded.
@@ -47,6 +54,9 @@ TARGETS = {
     # process's CPU ÷ the idlest one's (app/fastpath/reuse_port.py).
     "balance": ("API workers' CPU: max ÷ min, worst round", "<=", 1.2, "×"),
 }
+
+
+DB_BACKENDS = PG_PARTS[SERVICE_DATABASE]  # the service database's backends, in the CPU table
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -157,12 +167,14 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         }
         unwatched, replays_unwatched = kinds.get("unwatched"), kinds.get("replays-unwatched")
         phased, naive, replays = kinds.get("phased"), kinds.get("naive"), kinds.get("replays")
-        rate = _ratio(phased and phased["per_second"]["mean"], naive and naive["per_second"]["mean"])
         per_round = [
             _ratio(p["run"]["per_second"], q["run"]["per_second"])
             for p in runs if p["kind"] == "phased"
             for q in runs if q["kind"] == "naive" and q["round"] == p["round"]
         ]
+        judged = [r for r in per_round if r is not None]
+        rate = median(judged) if judged else None
+        db_cpu = _ratio(phased and phased["cpu_ms"].get(DB_BACKENDS), naive and naive["cpu_ms"].get(DB_BACKENDS))
         p99 = _ratio(phased and phased["latency_ms"].get("p99"), naive and naive["latency_ms"].get("p99"))
         replay_ratio = _ratio(replays and replays["per_second"]["mean"], phased and phased["per_second"]["mean"])
         refunds = kinds.get(REFUNDS)
@@ -187,7 +199,10 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             **kinds,
             "ratio": {
                 "per_second": rate,
+                "per_second_of_means": _ratio(phased and phased["per_second"]["mean"],
+                                              naive and naive["per_second"]["mean"]),
                 "per_second_per_round": per_round,
+                "db_cpu": db_cpu,
                 "p50": _ratio(phased and phased["latency_ms"].get("p50"), naive and naive["latency_ms"].get("p50")),
                 "p99": p99,
                 "replays_to_new": replay_ratio,
@@ -205,7 +220,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             "api_balance_worst": worst,
             "targets": [
                 _target("rate", rate),
-                _target("replays", replay_ratio),
+                _target("db_cpu", db_cpu),
+                *([_target("replays", replay_ratio)] if replays else []),
                 _target("writes", phased and phased["writing_txns"]),
                 _target("p99", p99),
                 *([_target("watching", watching)] if unwatched else []),
@@ -275,8 +291,8 @@ def print_block(results: dict[str, Any], block: dict[str, Any]) -> None:
     table.add_column("phased ÷ naive", justify="right")
     per_round = [r for r in ratio["per_second_per_round"] if r is not None]
     spread = f" ({min(per_round):.2f}–{max(per_round):.2f})" if len(per_round) > 1 else ""
-    table.add_row("new payments/s: mean (min–max)", _rate(phased), _rate(naive),
-                  fmt(ratio["per_second"], 2, "×") + spread)
+    table.add_row("new payments/s: mean (min–max); ratio: median of the rounds' (min–max)", _rate(phased),
+                  _rate(naive), fmt(ratio["per_second"], 2, "×") + spread)
     for q in ("p50", "p99"):
         table.add_row(f"latency {q} (ms)", fmt((phased or {}).get("latency_ms", {}).get(q)),
                       fmt((naive or {}).get("latency_ms", {}).get(q)), fmt(ratio[q], 2, "×"))
@@ -494,11 +510,13 @@ def print_setup(results: dict[str, Any]) -> None:
     table.add_row("machine", f"{m['nproc']} CPUs ({m['cpu_model']}), {m['memory_gib']} GiB, "
                              f"load {m['load_average_1m_at_start']} at start; everything on this machine")
     table.add_row("PostgreSQL", f"{m['postgresql']} ({p['server']}; {settings})")
+    rounds = (f"{p['rounds']} rounds × (phased, naive), each {p['warmup_s']:g} s warm-up + {p['duration_s']:g} s "
+              "(--rate-only)" if p.get("rate_only") else
+              f"{p['rounds']} rounds × (phased, unwatched, webhooks, naive), each {p['warmup_s']:g} s warm-up + "
+              f"{p['duration_s']:g} s; replays {p['replay_duration_s']:g} s each, watched and unwatched; "
+              f"refunds {p['warmup_s']:g} s warm-up + {p['duration_s']:g} s; pgbench {p['pgbench_duration_s']:g} s")
     table.add_row("runs", f"{p['concurrency']} clients; per worker count ({', '.join(map(str, p['workers']))}): "
-                          f"{p['rounds']} rounds × (phased, unwatched, naive), each {p['warmup_s']:g} s warm-up + "
-                          f"{p['duration_s']:g} s; replays {p['replay_duration_s']:g} s each, watched and unwatched; "
-                          f"refunds {p['warmup_s']:g} s warm-up + {p['duration_s']:g} s; "
-                          f"pgbench {p['pgbench_duration_s']:g} s; {results.get('wall_clock_s', 0):.0f} s in all")
+                          f"{rounds}; {results.get('wall_clock_s', 0):.0f} s in all")
     table.add_row("load generator", f"{p['load_generator']}, Python {m['python']}, in the bench's own process")
     console.print(table)
 
@@ -521,7 +539,8 @@ NOTES = [
 def print_report(results: dict[str, Any]) -> None:
     for block in results["blocks"]:
         print_block(results, block)
-    print_ceiling(results)
+    if results["ceiling"]:
+        print_ceiling(results)
     print_targets(results)
     print_setup(results)
     for note in NOTES:

@@ -63,7 +63,8 @@ the database-only ceiling (pgbench)
 exactly-once
     See bench/checks.py: checked after every run; FAIL exits with status 1.
 
-How it runs (20-25 minutes with the defaults on a 2-CPU machine, most of it the measured runs):
+How it runs (most of the time is the measured runs: with three rounds, the earlier default, it took
+20-25 minutes on a 2-CPU machine; now five; `--rate-only` runs the rounds of phased and naive alone):
 
     create payments_bench and payments_bench_rails; start the fake PSP and rail
     for each worker count (1, then 2):
@@ -148,6 +149,7 @@ OUTBOX_ROUNDS = 6
 REPLAYS = {PHASED: "replays", UNWATCHED: "replays-unwatched"}
 T = TypeVar("T")
 DEFAULT_WORKERS = "1,2"
+RUNS = 5  # the rate is the median of the rounds' ratios: five give it a middle that one bad round cannot move
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,7 @@ class Params:
     workers: list[int]
     replay_duration: float
     pgbench_duration: float
+    rate_only: bool = False  # only the rounds of new payments, phased and naive (--rate-only)
 
 
 @dataclass
@@ -252,7 +255,7 @@ class Bench:
             about = await machine(self.conn)
             for workers in self.params.workers:
                 await self.worker_count(workers)
-            ceiling_figures = await self.ceiling()
+            ceiling_figures = {} if self.params.rate_only else await self.ceiling()
         finally:
             await self.wal.release()
             await self.conn.close()
@@ -283,6 +286,8 @@ class Bench:
             refundable: list[Paid] = []  # every payment of the phased service's rounds, oldest first
             for round_ in range(1, p.runs + 1):
                 order = (PHASED, UNWATCHED, WEBHOOKS, NAIVE) if round_ % 2 else (NAIVE, WEBHOOKS, UNWATCHED, PHASED)
+                if p.rate_only:
+                    order = tuple(v for v in order if v in (PHASED, NAIVE))
                 for variant in order:
                     if variant == WEBHOOKS:
                         await self.webhooks_round(services[WEBHOOKS], workers, round_)
@@ -296,6 +301,8 @@ class Bench:
                     last[variant] = measured.result.paid
                     if variant in (PHASED, UNWATCHED):
                         refundable += measured.warm.paid + measured.result.paid
+            if p.rate_only:
+                return
             # Replays, watched and unwatched, in the order A B B A B A A B,
             # each for a quarter of the replay time: drift between them
             # cancels as in the rounds, and a burst of other work on the
@@ -708,12 +715,16 @@ def main(
     concurrency: int = typer.Option(32, min=1, help="Concurrent clients (and pgbench connections)."),
     duration: float = typer.Option(20.0, min=1, help="Seconds of each measured run of new payments."),
     warmup: float = typer.Option(3.0, min=0, help="Seconds of warm-up before each measured run (not counted)."),
-    runs: int = typer.Option(3, min=1, help="Rounds: each runs the phased service and the naive twin once."),
+    runs: int = typer.Option(RUNS, min=1, help="Rounds: each runs the phased service and the naive twin once."),
     workers: str = typer.Option(DEFAULT_WORKERS, help="Worker processes per API, comma-separated (1,2)."),
     replay_duration: float = typer.Option(20.0, min=1, help="Seconds of replays per worker count."),
     pgbench_duration: float = typer.Option(20.0, min=1, help="Seconds of pgbench (the database-only ceiling)."),
     quick: bool = typer.Option(
         False, "--quick", help="A smoke run: 4 s runs, 1 s warm-up, 1 round, 1 worker (unless --workers)."
+    ),
+    rate_only: bool = typer.Option(
+        False, "--rate-only", help="Only the rounds of new payments, phased and naive, alternating: the rate "
+        "and database CPU targets (no replays, side-by-sides, refunds or pgbench)."
     ),
 ) -> None:
     """Phased service vs naive twin, side by side, with replays, costs and the database-only ceiling."""
@@ -724,7 +735,7 @@ def main(
         worker_counts = [int(w) for w in workers.split(",") if w.strip()]
     except ValueError:
         raise typer.BadParameter("--workers takes counts such as 1,2") from None
-    params = Params(concurrency, duration, warmup, runs, worker_counts, replay_duration, pgbench_duration)
+    params = Params(concurrency, duration, warmup, runs, worker_counts, replay_duration, pgbench_duration, rate_only)
     signal.signal(signal.SIGTERM, _interrupt)
     started_at = datetime.now(UTC)
     clock = time.monotonic()
@@ -757,6 +768,7 @@ def main(
             "duration_s": duration,
             "warmup_s": warmup,
             "rounds": runs,
+            "rate_only": rate_only,
             "workers": worker_counts,
             "replay_duration_s": replay_duration,
             "replay_keys_max": REPLAY_KEYS,
@@ -769,8 +781,9 @@ def main(
     results |= report.summarize(results)
     results["webhooks"] = webhook_summary(results["runs"])
     report.print_report(results)
-    print_webhooks(results["webhooks"])
-    print_outbox_side_by_side(results)
+    if not rate_only:
+        print_webhooks(results["webhooks"])
+        print_outbox_side_by_side(results)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"bench-{started_at.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps(results, indent=2, default=str) + "\n")
