@@ -64,30 +64,36 @@ def package_of(path: str) -> str:
 # The layers a request passes through, by the package its code is in. A
 # sample is put in the layer of the innermost frame that belongs to one:
 # json, re or hashlib at the leaf are the work of whichever layer called them.
+HTTP_CLIENTS = ("aiohttp", "httpx", "httpcore", "yarl", "multidict")
 LAYERS = (
-    ("the rail clients (httpx)", ("httpx", "httpcore", "app.rails")),
+    ("the rail clients (aiohttp)", (*HTTP_CLIENTS, "app.rails")),
     ("HTTP server and framework", ("uvicorn", "httptools", "h11", "starlette", "fastapi", "app.api", "anyio")),
     ("validation (pydantic)", ("pydantic", "pydantic_core")),
     ("SQLAlchemy", ("sqlalchemy",)),
     ("asyncpg", ("asyncpg",)),
-    ("metrics and logs", ("prometheus_client", "logging", "app.observability", "structlog")),
+    ("metrics and logs", ("prometheus_client", "logging", "pythonjsonlogger", "app.observability")),
     ("the outbox", ("app.outbox",)),
-    ("the machine, the phases and the rest of ours", ("app.machine", "app.payments", "app.idempotency", "app.ledger", "app.db",
-                                    "app.fastpath", "app", "naive_twin.app")),
+    ("the machine, the phases and the rest of ours", ("app.machine", "app.payments", "app.idempotency", "app.ledger",
+                                                      "app.db", "app.fastpath", "app", "naive_twin.app")),
     ("the event loop", ("asyncio", "uvloop", "selectors")),
 )
-# httpx's HTTP/1.1 is h11 too: a frame of h11 under httpcore is the client's, not the server's.
-_CLIENT_FIRST = ("httpx", "httpcore")
+RAIL_CLIENTS, OUTBOX = LAYERS[0][0], "the outbox"
 
 
 def layer_of(packages: list[str]) -> str:
-    """The layer of one sample, from its frames' packages (outermost first)."""
-    client = any(p.split(".")[0] in _CLIENT_FIRST for p in packages)
+    """The layer of one sample, from its frames' packages (outermost first).
+
+    An HTTP client's frames under the outbox's code are the webhook
+    dispatcher's, not a rail client's; h11 under an HTTP client is that
+    client's, not the server's.
+    """
+    client = any(p.split(".")[0] in HTTP_CLIENTS for p in packages)
+    outbox = any(p == "app.outbox" for p in packages)
     for package in reversed(packages):
         for layer, members in LAYERS:
             if package in members or package.split(".")[0] in members:
-                if layer == "HTTP server and framework" and package == "h11" and client:
-                    return LAYERS[0][0]
+                if layer == RAIL_CLIENTS or (package == "h11" and client):
+                    return OUTBOX if outbox else RAIL_CLIENTS
                 return layer
     return "other"
 
