@@ -77,6 +77,7 @@ from bench.system import (
     RESULTS,
     SERVICE_DATABASE,
     SETTINGS,
+    Service,
     console,
     fakes,
     running,
@@ -85,7 +86,7 @@ from devtools import bodies, embedded_db
 from devtools.processes import NotHealthy, Process, free_port
 from devtools.system import System
 
-OUT = RESULTS / "callgrind"
+OUT = Path(os.environ.get("BENCH_CALLGRIND_DIR", RESULTS / "callgrind"))
 # track=all: the statements inside claim_idempotency_key and the triggers are counted too, apart from (and
 # also inside) the statement that ran them.
 PRELOAD = (("shared_preload_libraries", "pg_stat_statements"), ("pg_stat_statements.track", "all"))
@@ -96,6 +97,11 @@ VALGRIND_STOP_SECONDS = 300
 # Under valgrind a call to the PSP or the rail can wait past its 5 s timeout; the gateway would then retry it
 # (and the count would hold two calls). The measured process waits as long as a call takes instead.
 PATIENT = {"PSP_TIMEOUT_SECONDS": "600", "RAIL_TIMEOUT_SECONDS": "600"}
+# How long an idle keep-alive connection between the app and the fakes stays open, at both ends. Natively 5 s
+# (uvicorn's default, httpx's), far more than the gap between two payments; under valgrind's slowdown on a
+# busy machine the gap can pass it, and the app's next call then reconnects (work a window would count or not,
+# by the clock) or is written to a connection the fake has just closed (a payment retried, the twin's 502).
+KEEP_ALIVE_SECONDS = 3600
 # The window callgrind counts: its counts are zeroed on entering the first function and written to a file of
 # their own on leaving the second (--dump-after), so start-up, warm-up and exit are left out. Two builtins
 # nothing else in the process calls (`drive` calls them around each window); CPython's C functions, so they
@@ -129,11 +135,17 @@ def callgrind_total(text: str) -> int:
 
 
 def window_total(text: str) -> int:
-    """The instructions of one window: a callgrind dump written on leaving the window's end marker, else no
-    figure (a dump at the program's end counts start-up and everything else too)."""
+    """The instructions of one window: the `summary:` of a callgrind dump written on leaving the window's end
+    marker (what callgrind counted since it zeroed its counts), else no figure.
+
+    Not the dump's `totals:` (the sum of its cost lines): the first dump's also holds, once, tens of millions
+    of instructions from before the first zeroing. A dump at the program's end counts start-up too."""
     if DUMPED_BY not in text.splitlines():
         raise NoFigure(f"a callgrind dump was not written by the window's end marker ({DUMPED_BY!r} missing)")
-    return callgrind_total(text)
+    found = _SUMMARY.search(text)
+    if found is None or int(found.group(1)) <= 0:
+        raise NoFigure("a window's callgrind dump has no summary: line, or counted nothing")
+    return int(found.group(1))
 
 
 @dataclass(frozen=True)
@@ -324,6 +336,45 @@ def count(stack: Stack, variant: str, plan: list[Window], warmup: int, tag: str)
     return [window_total(p.read_text(errors="replace")) for p in parts[:-1]]
 
 
+def patient_fakes(rails_url: str) -> list[Service]:
+    """The fake PSP and rail as the bench starts them, but keeping idle connections open KEEP_ALIVE_SECONDS."""
+    services = fakes(rails_url)
+    for service, kind in zip(services, ("psp", "rail"), strict=True):
+        service.argv = [sys.executable, "-m", "bench.instructions", "--fake", kind, *service.argv[1:]]
+    return services
+
+
+def serve_fake(kind: str, args: list[str]) -> None:
+    """`fake-psp` or `fake-rail` with `args`, its uvicorn keeping idle connections open KEEP_ALIVE_SECONDS."""
+    import importlib
+
+    import uvicorn
+
+    from fake_rails import common
+
+    def serve_app(app, host: str, port: int) -> None:
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
+                    timeout_keep_alive=KEEP_ALIVE_SECONDS)
+
+    common.serve_app = serve_app
+    sys.argv = [f"fake-{kind}", *args]
+    importlib.import_module(f"fake_rails.{kind}").main()
+
+
+def patient_http_client(original):
+    """app.services' http_client, its idle connections kept KEEP_ALIVE_SECONDS (see KEEP_ALIVE_SECONDS)."""
+
+    def http_client(**kwargs):
+        client = original(**kwargs)
+        limits = client._transport.limits  # httpx_aiohttp's transport: read when it opens its connector
+        client._transport.limits = httpx.Limits(max_connections=limits.max_connections,
+                                                max_keepalive_connections=limits.max_keepalive_connections,
+                                                keepalive_expiry=KEEP_ALIVE_SECONDS)
+        return client
+
+    return http_client
+
+
 def send(url: str, api_key: str, payments: int, replays: int, *, replayed: bool) -> None:
     """`payments` new payments, one after another, then `replays` retries of the first of them; anything but
     the expected answer stops the run."""
@@ -409,7 +460,10 @@ def drive(variant: str, warmup: int, plan: list[Window]) -> None:
     else:
         from naive_twin.app import create_app
     app = create_app(settings)
-    from app.observability import metrics  # after multiproc.prepare: it imports prometheus_client
+    from app import services  # these two after multiproc.prepare: they import prometheus_client
+    from app.observability import metrics
+
+    services.http_client = patient_http_client(services.http_client)  # read by the lifespan, below
 
     metrics.FLUSH_SECONDS = float(VALGRIND_SECONDS)  # only by the explicit flushes below
     headers = [(b"authorization", f"Bearer {os.environ['BENCH_API_KEY']}".encode()),
@@ -627,7 +681,7 @@ def main(
             system.create_database(SERVICE_DATABASE)
             _, api_key = system.create_client("bench")
             rails_url = system.postgres.database_url(RAILS_DATABASE)
-            with running(fakes(rails_url)) as (psp, rail):
+            with running(patient_fakes(rails_url)) as (psp, rail):
                 system.psp, system.rail = psp, rail
                 stack = Stack(system, api_key)
                 if statements:
@@ -669,7 +723,9 @@ def report(figures: list[Instructions], chosen: list[str], low: int, high: int, 
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--drive"]:
+    if sys.argv[1:2] == ["--fake"]:
+        serve_fake(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1:2] == ["--drive"]:
         drive(sys.argv[2], int(sys.argv[3]),
               [Window(kind, int(n)) for kind, n in (w.split(":") for w in sys.argv[4].split(","))])
     else:
