@@ -26,7 +26,8 @@ The app's instructions
     payments and one of `high`, and (Ir(high) - Ir(low)) / (high - low) is
     the figure per payment; replays likewise. The calls to the fakes get
     timeouts a valgrind-slowed run cannot reach (PATIENT), so no call is
-    retried.
+    retried, and their connections are kept open (KEEP_ALIVE_SECONDS), so
+    none is made again.
     Every variant runs `repeats` times, and a figure is given only if its
     repeats agree within `tolerance`.
 
