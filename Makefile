@@ -70,11 +70,14 @@ bench-rate: $(STAMP)
 bench-explain: $(STAMP)
 	$(BIN)/python -m bench.explain
 
-# Figures the machine's noise does not move: the API's instructions per payment and per replay under
-# valgrind's callgrind, phased and naive, twice each, and the database's cost per statement from
-# pg_stat_statements (docs/reference/performance.md#instructions-per-payment-and-the-databases-cost-per-statement).
-# Needs valgrind (apt-get install valgrind). Ten callgrind runs, four at a time (each is one process, and the
-# counts do not depend on the CPU it gets): about 25 minutes on a busy 2-CPU machine.
+# Figures the machine's noise does not move: the app's instructions per new payment and per replay under
+# valgrind's callgrind, phased and naive, counted only in windows of 10 and 110 requests after a warm-up
+# (no start-up, no server), each variant twice, and no figure unless the two agree within 1%; and the
+# database's cost per statement from pg_stat_statements
+# (docs/reference/performance.md#instructions-per-payment-and-the-databases-cost-per-statement).
+# Needs valgrind (apt-get install valgrind) and a Python whose symbols are not stripped (a pyenv build is not).
+# Four callgrind runs, all at once (each is one process; the counts do not depend on the CPU it gets):
+# about 25 minutes on a busy 2-CPU machine, plus the statements' run.
 bench-instructions: $(STAMP)
 	$(BIN)/python -m bench.instructions --jobs 4
 

@@ -1,48 +1,49 @@
-"""Figures the machine's noise does not move: the API's instructions per payment, the database's cost per statement.
+"""Figures the machine's noise does not move: the app's instructions per payment, the database's cost per statement.
 
-    .venv/bin/python -m bench.instructions [--in-process] [--low 10] [--high 30] [--replays 20] [--repeats 2]
-        [--statements 200] [--jobs 4] [--idle 20,80] [--skip-callgrind] [--show-sql]
+    .venv/bin/python -m bench.instructions [--low 10] [--high 110] [--no-replays] [--warmup 10] [--repeats 2]
+        [--tolerance 0.01] [--statements 200] [--jobs 4] [--skip-callgrind] [--show-sql]
 
 Not on a request's path: a bench of its own, beside `make bench` (whose
 payments/s and CPU seconds move with whatever else the shared machine runs).
 
-The API's instructions
-    `payments api` (and the naive twin's `naive-twin`), one process, started
-    as the bench starts them but under `valgrind --tool=callgrind`, against
-    the fake PSP and rail (processes of their own, not counted) and a real
-    PostgreSQL. This process is the client, outside valgrind, so the figure
-    is the API's alone: uvicorn, the framework, validation, SQLAlchemy,
-    asyncpg, the rail clients, metrics and logs. Payments are sent one after
-    another (no concurrency, so the event loop does the same work each time).
-    Callgrind counts the whole process, start-up and imports included, so
-    each variant runs twice, with `low` and with `high` payments, and
-    (Ir(high) - Ir(low)) / (high - low) cancels everything the two share.
-    Replays likewise: `low` payments then `replays` retries of them, against
-    `low` payments alone. What is left that is not the payment's own work:
-    the timers that run by the clock (uvicorn's tick, the metrics flush),
-    which under valgrind's slowdown run more often per payment than they do
-    natively. The counts are not yet steady from run to run, in either
-    mode below: something in a run moves by about a hundred million
-    instructions, not yet found (docs/reference/performance.md).
-
-    --in-process: instead, the app itself (create_app) in the measured
-    process, driven through its ASGI interface by httpx, with no server
-    around it: no readiness polls, no uvicorn tick, no /metrics thread. The
-    client's work is in the count (the same for both variants); uvicorn's
-    HTTP parsing is not.
+The app's instructions
+    One process under `valgrind --tool=callgrind` (this module's `--drive`)
+    holds the app: the phased service's create_app, or the naive twin's,
+    with its lifespan, logging and metrics set up as `payments api` sets
+    them up, against the fake PSP and rail (processes of their own, not
+    counted) and a real PostgreSQL. It sends itself requests one after
+    another straight through the app's ASGI interface, as a server hands
+    them over: no server, no HTTP client, no readiness polls, no timers of
+    a server's. So the count is the app's: the framework, validation,
+    SQLAlchemy, asyncpg, the rail clients (their HTTP client included),
+    metrics and logs; not uvicorn's HTTP parsing.
+    Callgrind counts only windows: its counts are zeroed as a window starts
+    and written to a file of their own as it ends (MARKERS), so start-up,
+    imports and warm-up, which vary from run to run by far more than a
+    payment costs, are never in a figure. Before each window a warm-up has
+    run every path, the garbage collector has run and frozen what survived,
+    and the metrics' batches are written. Each run counts a window of `low`
+    payments and one of `high`, and (Ir(high) - Ir(low)) / (high - low) is
+    the figure per payment; replays likewise. The calls to the fakes get
+    timeouts a valgrind-slowed run cannot reach (PATIENT), so no call is
+    retried, and their connections are kept open (KEEP_ALIVE_SECONDS), so
+    none is made again.
+    Every variant runs `repeats` times, and a figure is given only if its
+    repeats agree within `tolerance`.
 
 The database's cost per statement
     pg_stat_statements, on a PostgreSQL server of this bench's own (the
     embedded one, in a data directory of its own on a free port, started
     with `shared_preload_libraries`; `make run`'s and the tests' servers are
     not touched). After a warm-up, the statistics are reset, a fixed number
-    of payments is sent (at native speed: the API is not under valgrind
-    here), and each of the service database's statements is printed per
-    payment and per call, named by the phase it belongs to.
+    of payments is sent to `payments api` (or `naive-twin`) at native speed,
+    and each of the service database's statements is printed per payment
+    and per call, named by the phase it belongs to.
 
-A run that cannot produce a figure (no valgrind, callgrind writing no
-total, a request not answered as expected, pg_stat_statements not loaded)
-says so and exits 1: it never prints a zero.
+A run that cannot produce a figure (no valgrind, no window's dump from
+callgrind, repeats that disagree, a request not answered as expected,
+pg_stat_statements not loaded) says NO FIGURE and why, and exits 1: it never
+prints a zero.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ from bench.system import (
     RESULTS,
     SERVICE_DATABASE,
     SETTINGS,
+    Service,
     console,
     fakes,
     running,
@@ -85,14 +87,28 @@ from devtools import bodies, embedded_db
 from devtools.processes import NotHealthy, Process, free_port
 from devtools.system import System
 
-OUT = RESULTS / "callgrind"
+OUT = Path(os.environ.get("BENCH_CALLGRIND_DIR", RESULTS / "callgrind"))
 # track=all: the statements inside claim_idempotency_key and the triggers are counted too, apart from (and
 # also inside) the statement that ran them.
 PRELOAD = (("shared_preload_libraries", "pg_stat_statements"), ("pg_stat_statements.track", "all"))
 COMMAND = {PHASED: "api", NAIVE: "naive-twin"}
-# Under valgrind, Python starts many times slower than natively, more so on a busy machine.
-VALGRIND_START_SECONDS = 900
+# Under valgrind, Python runs many times slower than natively, more so on a busy machine.
+VALGRIND_SECONDS = 3600
 VALGRIND_STOP_SECONDS = 300
+# Under valgrind a call to the PSP or the rail can wait past its 5 s timeout; the gateway would then retry it
+# (and the count would hold two calls). The measured process waits as long as a call takes instead.
+PATIENT = {"PSP_TIMEOUT_SECONDS": "600", "RAIL_TIMEOUT_SECONDS": "600"}
+# How long an idle keep-alive connection between the app and the fakes stays open, at both ends. Natively 5 s
+# (uvicorn's default, httpx's), far more than the gap between two payments; under valgrind's slowdown on a
+# busy machine the gap can pass it, and the app's next call then reconnects (work a window would count or not,
+# by the clock) or is written to a connection the fake has just closed (a payment retried, the twin's 502).
+KEEP_ALIVE_SECONDS = 3600
+# The window callgrind counts: its counts are zeroed on entering the first function and written to a file of
+# their own on leaving the second (--dump-after), so start-up, warm-up and exit are left out. Two builtins
+# nothing else in the process calls (`drive` calls them around each window); CPython's C functions, so they
+# need a Python whose symbols are not stripped (without them, no dumps, and the run says so).
+MARKERS = ("--zero-before=sys_getallocatedblocks", "--dump-after=gc_get_freeze_count")
+DUMPED_BY = "desc: Trigger: --dump-after=gc_get_freeze_count"
 # The statements' table is wider than the bench's other tables: in a log, 150 columns.
 wide = Console(width=None if sys.stdout.isatty() else 150)
 
@@ -119,27 +135,40 @@ def callgrind_total(text: str) -> int:
     return total
 
 
+def window_total(text: str) -> int:
+    """The instructions of one window: the `summary:` of a callgrind dump written on leaving the window's end
+    marker (what callgrind counted since it zeroed its counts), else no figure.
+
+    Not the dump's `totals:` (the sum of its cost lines): the first dump's also holds, once, tens of millions
+    of instructions from before the first zeroing. A dump at the program's end counts start-up too."""
+    if DUMPED_BY not in text.splitlines():
+        raise NoFigure(f"a callgrind dump was not written by the window's end marker ({DUMPED_BY!r} missing)")
+    found = _SUMMARY.search(text)
+    if found is None or int(found.group(1)) <= 0:
+        raise NoFigure("a window's callgrind dump has no summary: line, or counted nothing")
+    return int(found.group(1))
+
+
 @dataclass(frozen=True)
 class Count:
-    """One callgrind run of the API: what it was sent, and the instructions it executed in all."""
+    """One window of the measured process: what it was sent, and the instructions it executed."""
 
     payments: int
     replays: int
     instructions: int
-    seconds: float = 0.0  # wall time from the API answering /healthz to its being told to stop
 
 
 def per_unit(fewer: Count, more: Count) -> float:
-    """Instructions per payment (or per replay): the difference of two runs that differ in that one thing.
+    """Instructions per payment (or per replay): the difference of two windows that differ in that one thing.
 
-    Start-up, imports and shutdown are in both, and cancel.
+    What every window holds besides its requests (the markers, the metrics' one write) is in both, and cancels.
     """
     payments, replays = more.payments - fewer.payments, more.replays - fewer.replays
     if (payments > 0) == (replays > 0) or min(payments, replays) < 0:
-        raise NoFigure(f"runs {fewer} and {more} differ in more (or less) than one kind of request")
+        raise NoFigure(f"windows {fewer} and {more} differ in more (or less) than one kind of request")
     extra = more.instructions - fewer.instructions
     if extra <= 0:
-        raise NoFigure(f"the run with more requests counted no more instructions ({fewer.instructions} → "
+        raise NoFigure(f"the window with more requests counted no more instructions ({fewer.instructions} → "
                        f"{more.instructions}): no figure")
     return extra / (payments or replays)
 
@@ -148,6 +177,16 @@ def spread(figures: Iterable[float]) -> float:
     """(largest - smallest) / smallest: how far repeated figures disagree."""
     figures = list(figures)
     return (max(figures) - min(figures)) / min(figures)
+
+
+def agreed(name: str, figures: list[float], tolerance: float) -> float:
+    """The repeats' mean, if they agree within `tolerance` (a fraction); else no figure."""
+    if len(figures) < 2:
+        raise NoFigure(f"{name}: one repeat cannot show that the figure repeats (--repeats 2 or more)")
+    if spread(figures) > tolerance:
+        raise NoFigure(f"{name}: the repeats disagree by {spread(figures):.2%} "
+                       f"({', '.join(f'{f:,.0f}' for f in figures)}), more than {tolerance:.1%}")
+    return sum(figures) / len(figures)
 
 
 _LITERAL = re.compile(r"'(?:[^']|'')*'")
@@ -239,46 +278,102 @@ def require_valgrind() -> str:
     return valgrind
 
 
-IN_PROCESS = False  # main's --in-process: the app driven in the measured process, with no server around it
+@dataclass(frozen=True)
+class Window:
+    """A stretch of the measured process counted on its own: `requests` new payments, or replays of them."""
+
+    kind: str  # PAYMENTS or REPLAYS
+    requests: int
 
 
-def count(stack: Stack, variant: str, payments: int, replays: int, tag: str, idle: float = 0.0) -> Count:
-    """One run of `variant`'s API under callgrind: started, sent `payments` new payments then `replays`
-    retries of them, left idle `idle` seconds, stopped; the instructions it executed in all."""
+PAYMENTS, REPLAYS = "payments", "replays"
+
+
+def windows(variant: str, low: int, high: int, replays: bool) -> list[Window]:
+    """The windows one callgrind run of `variant` counts, in order: `low` then `high` new payments, then (the
+    phased service only: the twin has no replays) `low` then `high` replays."""
+    kinds = (PAYMENTS, REPLAYS) if variant == PHASED and replays else (PAYMENTS,)
+    return [Window(kind, n) for kind in kinds for n in (low, high)]
+
+
+def count(stack: Stack, variant: str, plan: list[Window], warmup: int, tag: str) -> list[int]:
+    """One run of `variant`'s app under callgrind (this module's `--drive`): started, warmed up, then every
+    window of `plan` counted on its own; the instructions each window executed."""
     OUT.mkdir(parents=True, exist_ok=True)
-    out = OUT / f"{variant}-{payments}p-{replays}r-{tag}.out"
-    out.unlink(missing_ok=True)
-    process = stack.system.api_process(f"callgrind-{variant}", command=COMMAND[variant], **SETTINGS[variant])
+    out = OUT / f"{variant}-{tag}.out"
+    for old in OUT.glob(f"{out.name}*"):
+        old.unlink()
+    process = stack.system.api_process(f"callgrind-{variant}", command=COMMAND[variant],
+                                       **SETTINGS[variant], **PATIENT)
     # The same hash seed every run: set and dict order, and so the work, do not vary from run to run.
     process.env["PYTHONHASHSEED"] = "0"
-    if IN_PROCESS:
-        process.argv = [sys.executable, "-m", "bench.instructions", "--drive", variant, str(payments), str(replays)]
-        process.env["BENCH_API_KEY"] = stack.api_key
-        process.port = None  # not a server: it drives itself, and exits
-    process.argv = [require_valgrind(), "--tool=callgrind", f"--callgrind-out-file={out}", *process.argv]
+    process.env["BENCH_API_KEY"] = stack.api_key
+    process.argv = [require_valgrind(), "--tool=callgrind", f"--callgrind-out-file={out}", *MARKERS,
+                    sys.executable, "-m", "bench.instructions", "--drive", variant, str(warmup),
+                    ",".join(f"{w.kind}:{w.requests}" for w in plan)]
+    process.port = None  # not a server: it drives itself, and exits
     process.log = LOGS / f"callgrind-{out.stem}.log"
     process.log.unlink(missing_ok=True)
-    process.timeout, process.grace = VALGRIND_START_SECONDS, VALGRIND_STOP_SECONDS
+    process.timeout, process.grace = VALGRIND_SECONDS, VALGRIND_STOP_SECONDS
     try:
         process.start()
     except NotHealthy as exc:
-        raise NoFigure(f"{variant} API under callgrind did not start: {exc}") from None
-    up = time.monotonic()
+        raise NoFigure(f"{variant} under callgrind did not start: {exc}") from None
     try:
-        if IN_PROCESS:
-            process.popen.wait(VALGRIND_START_SECONDS)
-        else:
-            send(process.url, stack.api_key, payments, replays, replayed=variant == PHASED)
-            time.sleep(idle)  # the idle measurement: what the API's timers cost by the second
-        seconds = time.monotonic() - up
+        process.popen.wait(VALGRIND_SECONDS)
+    except subprocess.TimeoutExpired:
+        raise NoFigure(f"{variant} under callgrind did not finish within {VALGRIND_SECONDS} s; see {process.log}") from None
     finally:
         process.stop()
-    # uvicorn, once shut down cleanly, raises the SIGTERM again to exit by it.
-    if process.popen.returncode not in (0, -signal.SIGTERM):
-        raise NoFigure(f"{variant} API under callgrind exited with {process.popen.returncode}; see {process.log}")
-    if not out.exists():
-        raise NoFigure(f"callgrind wrote no {out}; see {process.log}")
-    return Count(payments, replays, callgrind_total(out.read_text(errors="replace")), seconds)
+    if process.popen.returncode != 0:
+        raise NoFigure(f"{variant} under callgrind exited with {process.popen.returncode}; see {process.log}")
+    # Callgrind writes one file per dump, `out.1`, `out.2`, ..., and `out` itself at exit (start-up, warm-up
+    # and the gaps between windows: not counted).
+    parts = [out.with_name(f"{out.name}.{i}") for i in range(1, len(plan) + 2)]
+    if not all(p.exists() for p in parts[:-1]) or parts[-1].exists():
+        found = sorted(p.name for p in OUT.glob(f"{out.name}.*"))
+        raise NoFigure(f"callgrind wrote the dumps {found}, not one per window ({len(plan)}): is "
+                       f"{MARKERS} a function of this Python's (its symbols stripped)? see {process.log}")
+    return [window_total(p.read_text(errors="replace")) for p in parts[:-1]]
+
+
+def patient_fakes(rails_url: str) -> list[Service]:
+    """The fake PSP and rail as the bench starts them, but keeping idle connections open KEEP_ALIVE_SECONDS."""
+    services = fakes(rails_url)
+    for service, kind in zip(services, ("psp", "rail"), strict=True):
+        service.argv = [sys.executable, "-m", "bench.instructions", "--fake", kind, *service.argv[1:]]
+    return services
+
+
+def serve_fake(kind: str, args: list[str]) -> None:
+    """`fake-psp` or `fake-rail` with `args`, its uvicorn keeping idle connections open KEEP_ALIVE_SECONDS."""
+    import importlib
+
+    import uvicorn
+
+    from fake_rails import common
+
+    def serve_app(app, host: str, port: int) -> None:
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
+                    timeout_keep_alive=KEEP_ALIVE_SECONDS)
+
+    common.serve_app = serve_app
+    sys.argv = [f"fake-{kind}", *args]
+    importlib.import_module(f"fake_rails.{kind}").main()
+
+
+def patient_http_client(original):
+    """app.services' http_client, its idle connections kept KEEP_ALIVE_SECONDS (see KEEP_ALIVE_SECONDS)."""
+
+    def http_client(**kwargs):
+        client = original(**kwargs)
+        limits = client._transport.limits  # httpx_aiohttp's transport: read when it opens its connector
+        client._transport.limits = httpx.Limits(max_connections=limits.max_connections,
+                                                max_keepalive_connections=limits.max_keepalive_connections,
+                                                keepalive_expiry=KEEP_ALIVE_SECONDS)
+        return client
+
+    return http_client
 
 
 def send(url: str, api_key: str, payments: int, replays: int, *, replayed: bool) -> None:
@@ -310,42 +405,46 @@ class Instructions:
     per_replay: float | None
 
 
-def instructions(stack: Stack, chosen: list[str], low: int, high: int, replays: int, repeats: int,
+def instructions(stack: Stack, chosen: list[str], low: int, high: int, replays: bool, repeats: int, warmup: int,
                  jobs: int) -> list[Instructions]:
-    """Every variant's callgrind runs (`repeats` times each), `jobs` at a time; the figures they give."""
-    runs = [(variant, payments, retries, repeat) for repeat in range(1, repeats + 1) for variant in chosen
-            for payments, retries in ((low, 0), (high, 0), *(((low, replays),) if variant == PHASED and replays else ()))]
+    """Every variant's callgrind run (`repeats` times each), `jobs` at a time; the figures they give."""
+    runs = [(variant, repeat) for repeat in range(1, repeats + 1) for variant in chosen]
 
-    def one(run: tuple[str, int, int, int]) -> Count:
-        variant, payments, retries, repeat = run
+    def one(run: tuple[str, int]) -> Instructions:
+        variant, repeat = run
+        plan = windows(variant, low, high, replays)
         started = time.monotonic()
-        result = count(stack, variant, payments, retries, f"r{repeat}")
-        console.print(f"{variant} repeat {repeat}: {payments} payments, {retries} replays: Ir {result.instructions:,} "
-                      f"[{time.monotonic() - started:.0f} s, {result.seconds:.0f} s up]")
-        return result
+        counted = dict(zip(plan, count(stack, variant, plan, warmup, f"r{repeat}")))
+        console.print(f"{variant} repeat {repeat} [{time.monotonic() - started:.0f} s]: "
+                      + ", ".join(f"{w.requests} {w.kind} Ir {ir:,}" for w, ir in counted.items()))
+
+        def per(kind: str) -> float:
+            fewer, more = (Count(*((n, 0) if kind == PAYMENTS else (0, n)), counted[Window(kind, n)])
+                           for n in (low, high))
+            return per_unit(fewer, more)
+
+        return Instructions(variant, repeat, per(PAYMENTS), per(REPLAYS) if Window(REPLAYS, low) in counted else None)
 
     console.print(f"{len(runs)} callgrind runs, {jobs} at a time")
     pool = ThreadPoolExecutor(jobs)
     try:
-        counts = dict(zip(runs, pool.map(one, runs)))
+        return list(pool.map(one, runs))
     finally:
         # On a failure or ^C the runs not yet started are dropped, not run to the end.
         pool.shutdown(cancel_futures=True)
-    figures = []
-    for repeat in range(1, repeats + 1):
-        for variant in chosen:
-            fewer, more = counts[(variant, low, 0, repeat)], counts[(variant, high, 0, repeat)]
-            retried = counts.get((variant, low, replays, repeat))
-            figures.append(Instructions(variant, repeat, per_unit(fewer, more),
-                                        per_unit(fewer, retried) if retried else None))
-    return figures
 
 
-def drive(variant: str, payments: int, replays: int) -> None:
-    """--in-process: the app itself (create_app) driven by httpx through its ASGI interface, in this process,
-    with its lifespan, logging and metrics as `payments api` sets them up, and no server: no uvicorn tick
-    and no /metrics thread, whose work goes by the clock and not by the payment. The client's own work is in
-    the count, the same for both variants; uvicorn's HTTP parsing is not."""
+def drive(variant: str, warmup: int, plan: list[Window]) -> None:
+    """The measured process (under callgrind): `variant`'s app (create_app) with its lifespan, logging and
+    metrics as `payments api` sets them up, sent requests straight through its ASGI interface, with no
+    server and no HTTP client around it; each window of `plan` between the two MARKERS.
+
+    Before every window the warm-up has already run each path once (imports, prepared statements, the pools'
+    connections), a full garbage collection has run and frozen what survived it, and the metrics' batches
+    are written; in the window they are written once, at its end, not by the clock (natively, one write
+    covers a second's payments; under valgrind's slowdown the clock would write once a payment)."""
+    import gc
+
     import uvloop
 
     from app.config import Settings
@@ -362,23 +461,44 @@ def drive(variant: str, payments: int, replays: int) -> None:
     else:
         from naive_twin.app import create_app
     app = create_app(settings)
+    from app import services  # these two after multiproc.prepare: they import prometheus_client
+    from app.observability import metrics
+
+    services.http_client = patient_http_client(services.http_client)  # read by the lifespan, below
+
+    metrics.FLUSH_SECONDS = float(VALGRIND_SECONDS)  # only by the explicit flushes below
+    headers = [(b"authorization", f"Bearer {os.environ['BENCH_API_KEY']}".encode()),
+               (b"content-type", b"application/json")]
+    sent: list[tuple[bytes, bytes]] = []
+
+    async def payment() -> None:
+        key, body = str(uuid.uuid4()).encode(), json.dumps(bodies.payment_body()).encode()
+        status, _, answer = await asgi_post(app, "/v1/payments", [*headers, (b"idempotency-key", key)], body)
+        if status != 201:
+            raise NoFigure(f"a new payment was answered {status}: {answer[:300]!r}")
+        sent.append((key, body))
+
+    async def replay(i: int) -> None:
+        key, body = sent[i % len(sent)]
+        status, answered, _ = await asgi_post(app, "/v1/payments", [*headers, (b"idempotency-key", key)], body)
+        if status != 201 or (variant == PHASED and answered.get(b"idempotent-replayed") != b"true"):
+            raise NoFigure(f"a replay was answered {status} (Idempotent-Replayed: {answered.get(b'idempotent-replayed')})")
 
     async def run() -> None:
-        headers = {"Authorization": f"Bearer {os.environ['BENCH_API_KEY']}", "Content-Type": "application/json"}
-        async with app.router.lifespan_context(app), httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=app), base_url="http://api", headers=headers, timeout=300) as client:
-            sent = []
-            for _ in range(payments):
-                key, body = str(uuid.uuid4()), json.dumps(bodies.payment_body()).encode()
-                response = await client.post("/v1/payments", content=body, headers={"Idempotency-Key": key})
-                if response.status_code != 201:
-                    raise NoFigure(f"a new payment was answered {response.status_code}: {response.text[:300]}")
-                sent.append((key, body))
-            for i in range(replays):
-                key, body = sent[i % len(sent)]
-                response = await client.post("/v1/payments", content=body, headers={"Idempotency-Key": key})
-                if response.status_code != 201 or response.headers.get("Idempotent-Replayed") != "true":
-                    raise NoFigure(f"a replay was answered {response.status_code}")
+        async with app.router.lifespan_context(app):
+            for _ in range(warmup):
+                await payment()
+            for i in range(warmup if variant == PHASED else 0):
+                await replay(i)
+            for window in plan:
+                metrics.flush()
+                gc.collect()
+                gc.freeze()
+                sys.getallocatedblocks()  # MARKERS: callgrind zeroes its counts here
+                for i in range(window.requests):
+                    await (payment() if window.kind == PAYMENTS else replay(i))
+                metrics.flush()
+                gc.get_freeze_count()  # MARKERS: and writes what it counted since, here
 
     try:
         uvloop.install()
@@ -386,6 +506,39 @@ def drive(variant: str, payments: int, replays: int) -> None:
     finally:
         if made is not None:
             multiproc.remove(made)
+
+
+async def asgi_post(app, path: str, headers: list[tuple[bytes, bytes]], body: bytes
+                    ) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One POST as an ASGI server hands it to the app (one message with the whole body); the status, the
+    headers (lower case) and the body of the answer. No HTTP parsing: uvicorn's work is not in the count."""
+    done = asyncio.Event()
+    asked = False
+    status, answered, chunks = 0, {}, []
+
+    async def receive() -> dict:
+        nonlocal asked
+        if not asked:
+            asked = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await done.wait()  # a middleware listening for the client going away hears it only after the answer
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        nonlocal status, answered
+        if message["type"] == "http.response.start":
+            status, answered = message["status"], {k.lower(): v for k, v in message.get("headers", [])}
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                done.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+             "query_string": b"", "headers": [(b"host", b"api"), (b"content-length", str(len(body)).encode()), *headers],
+             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000), "state": {}}
+    await app(scope, receive, send)
+    return status, answered, b"".join(chunks)
 
 
 # --- The database's cost per statement ---------------------------------------
@@ -502,25 +655,21 @@ def bench_server(system: System) -> Iterator[str]:
 
 
 def main(
-    low: int = typer.Option(10, min=1, help="Payments in the shorter callgrind run."),
-    high: int = typer.Option(30, min=2, help="Payments in the longer callgrind run."),
-    replays: int = typer.Option(20, min=0, help="Replays (phased only) added to the shorter run; 0: none."),
-    repeats: int = typer.Option(2, min=1, help="Times every callgrind figure is measured."),
+    low: int = typer.Option(10, min=1, help="Requests in the shorter window."),
+    high: int = typer.Option(110, min=2, help="Requests in the longer window."),
+    replays: bool = typer.Option(True, "--replays/--no-replays", help="Also count replays (phased only)."),
+    warmup: int = typer.Option(10, min=1, help="Payments (and replays) before the first window; for "
+                               "pg_stat_statements, before its statistics are reset."),
+    repeats: int = typer.Option(2, min=2, help="Callgrind runs of each variant; their figures must agree."),
+    tolerance: float = typer.Option(0.01, min=0, help="How far (a fraction) the repeats may disagree."),
     statements: int = typer.Option(200, min=0, help="Payments for pg_stat_statements; 0: skip it."),
-    warmup: int = typer.Option(20, min=0, help="Payments before pg_stat_statements is reset."),
     top: int = typer.Option(10, min=1, help="Statements shown, by total time."),
     variants: str = typer.Option(f"{PHASED},{NAIVE}", help="phased, naive or both."),
     skip_callgrind: bool = typer.Option(False, "--skip-callgrind", help="Only the database's cost per statement."),
     show_sql: bool = typer.Option(False, "--show-sql", help="Print each shown statement's text."),
     jobs: int = typer.Option(1, min=1, help="Callgrind runs at a time (each is one process, one CPU)."),
-    in_process: bool = typer.Option(False, "--in-process", help="Drive the app in the measured process "
-                                    "(no server, no clock-driven timers) instead of `payments api` from outside."),
-    idle: str = typer.Option("", help="Instead: the API's instructions per idle second, from two runs with no "
-                             "payments left idle this long, e.g. 20,80."),
 ) -> None:
     """The API's instructions per payment under callgrind, and the database's cost per statement."""
-    global IN_PROCESS
-    IN_PROCESS = in_process
     chosen = [v.strip() for v in variants.split(",") if v.strip()]
     if not chosen or set(chosen) - set(COMMAND) or high <= low:
         raise typer.BadParameter("--variants is phased, naive or both; --high must exceed --low")
@@ -533,63 +682,52 @@ def main(
             system.create_database(SERVICE_DATABASE)
             _, api_key = system.create_client("bench")
             rails_url = system.postgres.database_url(RAILS_DATABASE)
-            with running(fakes(rails_url)) as (psp, rail):
+            with running(patient_fakes(rails_url)) as (psp, rail):
                 system.psp, system.rail = psp, rail
                 stack = Stack(system, api_key)
                 if statements:
                     for variant in chosen:
                         statement_costs(stack, server_url, variant, statements, warmup, top, show_sql)
-                if idle:
-                    idle_rate(stack, chosen, [float(x) for x in idle.split(",")], jobs)
-                elif not skip_callgrind:
-                    figures = instructions(stack, chosen, low, high, replays, repeats, jobs)
-                    report(figures, chosen, low, high)
+                if not skip_callgrind:
+                    figures = instructions(stack, chosen, low, high, replays, repeats, warmup, jobs)
+                    report(figures, chosen, low, high, tolerance)
     except NoFigure as exc:
         console.print(f"[bold red]NO FIGURE: {exc}[/]")
         raise typer.Exit(1) from None
 
 
-def idle_rate(stack: Stack, chosen: list[str], seconds: list[float], jobs: int) -> None:
-    """Instructions per second of an idle API (its timers: uvicorn's tick, the metrics' thread): two runs
-    with no payments, idle for different times."""
-    runs = [(variant, s) for variant in chosen for s in seconds]
-    pool = ThreadPoolExecutor(jobs)
-    try:
-        counts = dict(zip(runs, pool.map(lambda run: count(stack, run[0], 0, 0, f"idle{run[1]:.0f}", run[1]), runs)))
-    finally:
-        pool.shutdown(cancel_futures=True)
-    for variant in chosen:
-        shorter, longer = counts[(variant, min(seconds))], counts[(variant, max(seconds))]
-        extra = longer.instructions - shorter.instructions
-        if extra <= 0:
-            raise NoFigure(f"{variant}: idle longer, no more instructions ({shorter} → {longer})")
-        console.print(f"{variant} idle: Ir {shorter.instructions:,} ({shorter.seconds:.1f} s up), "
-                      f"{longer.instructions:,} ({longer.seconds:.1f} s up) → "
-                      f"{extra / (longer.seconds - shorter.seconds):,.0f} per idle second")
-
-
-def report(figures: list[Instructions], chosen: list[str], low: int, high: int) -> None:
-    table = Table(title=f"The API's instructions (callgrind Ir), ({high} - {low}) payments one after another")
-    table.add_column("variant")
-    table.add_column("repeat", justify="right")
-    table.add_column("Ir per payment", justify="right")
-    table.add_column("Ir per replay", justify="right")
+def report(figures: list[Instructions], chosen: list[str], low: int, high: int, tolerance: float) -> None:
+    """Every repeat's figures, then each figure as the repeats' mean: no figure if they disagree."""
+    table = Table(title=f"The app's instructions (callgrind Ir): windows of {high} and {low} requests, "
+                        "one after another")
+    for column in ("variant", "repeat", "Ir per payment", "Ir per replay"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
     for f in figures:
         table.add_row(f.variant, str(f.repeat), f"{f.per_payment:,.0f}",
                       "" if f.per_replay is None else f"{f.per_replay:,.0f}")
     wide.print(table)
+    means = {}
     for variant in chosen:
-        mine = [f.per_payment for f in figures if f.variant == variant]
-        if len(mine) > 1:
-            console.print(f"{variant}: repeats agree within {spread(mine):.2%}")
+        mine = [f for f in figures if f.variant == variant]
+        means[variant] = agreed(f"{variant} per payment", [f.per_payment for f in mine], tolerance)
+        console.print(f"{variant}: {means[variant]:,.0f} instructions per payment "
+                      f"(repeats within {spread([f.per_payment for f in mine]):.2%})")
+        if mine[0].per_replay is not None:
+            replay = agreed(f"{variant} per replay", [f.per_replay for f in mine], tolerance)
+            console.print(f"{variant}: {replay:,.0f} instructions per replay "
+                          f"(repeats within {spread([f.per_replay for f in mine]):.2%})")
     if set(chosen) == {PHASED, NAIVE}:
         for repeat in sorted({f.repeat for f in figures}):
             by = {f.variant: f.per_payment for f in figures if f.repeat == repeat}
-            console.print(f"repeat {repeat}: phased ÷ naive in instructions per payment = {by[PHASED] / by[NAIVE]:.3f}")
+            console.print(f"repeat {repeat}: phased ÷ naive per payment = {by[PHASED] / by[NAIVE]:.3f}")
+        console.print(f"phased ÷ naive per payment = {means[PHASED] / means[NAIVE]:.3f}")
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--drive"]:
-        drive(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    if sys.argv[1:2] == ["--fake"]:
+        serve_fake(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1:2] == ["--drive"]:
+        drive(sys.argv[2], int(sys.argv[3]),
+              [Window(kind, int(n)) for kind, n in (w.split(":") for w in sys.argv[4].split(","))])
     else:
         typer.run(main)

@@ -1,4 +1,4 @@
-"""bench/instructions.py's arithmetic and its naming of statements; no valgrind, no database."""
+"""bench/instructions.py's arithmetic, its windows and its naming of statements; no valgrind, no database."""
 
 from __future__ import annotations
 
@@ -8,7 +8,23 @@ import pytest
 
 from app.machine.statements import Statement
 from app.payments import phases
-from bench.instructions import Count, NoFigure, callgrind_total, known_phases, per_unit, phase_of, spread
+from bench.instructions import (
+    NAIVE,
+    PAYMENTS,
+    PHASED,
+    REPLAYS,
+    Count,
+    NoFigure,
+    Window,
+    agreed,
+    callgrind_total,
+    known_phases,
+    per_unit,
+    phase_of,
+    spread,
+    window_total,
+    windows,
+)
 from naive_twin import app as naive
 
 # The head and tail of a real callgrind output file (bench/results/callgrind/), cut short: `summary:` is
@@ -52,8 +68,47 @@ def test_an_output_with_no_count_is_no_figure_not_a_zero(text):
         callgrind_total(text)
 
 
+# One window's dump (out.1, out.2, ...): written on leaving the end marker, not at the program's end.
+WINDOW_DUMP = CALLGRIND_OUT.replace("desc: Trigger: Program termination",
+                                    "desc: Trigger: --dump-after=gc_get_freeze_count")
+
+
+def test_a_window_is_counted_by_the_summary_of_the_dump_its_end_marker_wrote():
+    # Not its totals: the first dump's hold costs from before callgrind first zeroed its counts.
+    assert window_total(WINDOW_DUMP) == 4704060322
+
+
+@pytest.mark.parametrize("text", [WINDOW_DUMP.replace("summary: 4704060322\n", ""),
+                                  WINDOW_DUMP.replace("summary: 4704060322", "summary: 0")])
+def test_a_window_without_a_count_is_no_figure(text):
+    with pytest.raises(NoFigure):
+        window_total(text)
+
+
+def test_a_dump_at_the_programs_end_is_not_a_window_it_counts_start_up_too():
+    with pytest.raises(NoFigure):
+        window_total(CALLGRIND_OUT)
+
+
+def test_the_phased_service_counts_payments_and_replays_the_twin_payments_only():
+    assert windows(PHASED, 10, 110, replays=True) == [
+        Window(PAYMENTS, 10), Window(PAYMENTS, 110), Window(REPLAYS, 10), Window(REPLAYS, 110)]
+    assert windows(PHASED, 10, 110, replays=False) == [Window(PAYMENTS, 10), Window(PAYMENTS, 110)]
+    assert windows(NAIVE, 10, 110, replays=True) == [Window(PAYMENTS, 10), Window(PAYMENTS, 110)]
+
+
+def test_repeats_that_agree_give_their_mean():
+    assert agreed("phased per payment", [1000.0, 1009.0], 0.01) == pytest.approx(1004.5)
+
+
+@pytest.mark.parametrize("figures", [[1000.0, 1011.0], [1000.0], [2000.0, 1000.0]])
+def test_repeats_that_disagree_or_a_single_one_give_no_figure(figures):
+    with pytest.raises(NoFigure):
+        agreed("phased per payment", figures, 0.01)
+
+
 def test_per_payment_is_the_difference_of_two_runs_over_the_difference_in_payments():
-    # 1000 of start-up in both runs; 50 per payment.
+    # 1000 in both windows besides their payments; 50 per payment.
     assert per_unit(Count(20, 0, 1000 + 20 * 50), Count(60, 0, 1000 + 60 * 50)) == 50
 
 
