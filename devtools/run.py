@@ -114,6 +114,12 @@ def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant
         system.start_merchant(port=merchant_port, secrets=[secret])
         system.start_api("API", port=api_port, API_METRICS_PORT=api_metrics_port)
         system.start_worker("worker", WORKER_METRICS_PORT=metrics_port)
+        # Payment batches (docs/batches.md): NATS_URL's broker, else one from
+        # the wheel with its streams in .data/nats, and one consumer.
+        data = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data"))
+        broker = system.start_nats(data / "nats", port=int(os.environ.get("NATS_PORT", "8104")))
+        system.start_consumer("consumer")
+        console.print(f"NATS       {broker.url}   (payment batches: `payments consume` is running; docs/batches.md)")
         _print_welcome(console, api_port, psp_port, rail_port, merchant_port, api_key, metrics_port=metrics_port,
                        api_metrics_port=api_metrics_port)
         print_console_link(console, f"http://127.0.0.1:{api_port}", operator_token)
