@@ -21,7 +21,8 @@ from tests.batches.support import (  # noqa: F401  (broker: a fixture)
 from tests.support import headers, payment_body, unbalanced_payments, until
 
 
-async def test_a_batch_is_paid_once_per_row_and_completed_once(http, stack, db, acme, broker, processes):
+async def test_a_batch_is_paid_once_per_row_and_completed_once(http, stack, db, shop, broker, processes):
+    acme = shop  # a client with a webhook endpoint at the fake merchant
     accepted = await upload(http, stack.api, acme, csv_file(20))
     assert accepted.status_code == 202, accepted.text
     batch = accepted.json()
@@ -36,6 +37,15 @@ async def test_a_batch_is_paid_once_per_row_and_completed_once(http, stack, db, 
     # The event, once, and no row of the batch updated the batch's own row but the completion.
     events = await db.fetch("SELECT data FROM event WHERE type = 'batch.completed'")
     assert len(events) == 1 and json.loads(events[0]["data"])["id"] == batch["id"]
+    # ...and its webhook, applied once by the merchant's inbox, beside the rows' own.
+    processes.worker()
+
+    async def delivered() -> bool:
+        return await db.fetchval("SELECT count(*) FROM fake_merchant.processed_message") == 21
+
+    await until(delivered, "the 20 payments' webhooks and the batch's delivered")
+    types = dict(await db.fetch("SELECT type, count(*) FROM fake_merchant.processed_message GROUP BY 1"))
+    assert types == {"payment.succeeded": 20, "batch.completed": 1}
     # Each row's key is its natural key, and its payment's reference derives from it.
     key = natural_key(acme.id, "payroll-2026-12", "emp-00007", _date())
     row = await db.fetchrow("SELECT k.state, p.reference FROM idempotency_key k JOIN payment p ON p.id = k.payment_id"
