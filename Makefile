@@ -56,8 +56,10 @@ test: $(STAMP)
 # consumers' crashes, the broker restarted, two consumers, dead letters.
 # Real payments, several seconds each, so not in `make test`. The mid-batch
 # kill with 1,000 rows instead of 50: `make test-batches-1000`.
+# Two test workers by default: each test starts a broker and consumers of its own beside the stack.
+BATCH_TEST_WORKERS ?= 2
 test-batches: $(STAMP)
-	$(BIN)/pytest -n $(TEST_WORKERS) tests/batches
+	$(BIN)/pytest -n $(BATCH_TEST_WORKERS) tests/batches
 
 test-batches-1000: $(STAMP)
 	BATCH_ROWS=1000 $(BIN)/pytest -p no:xdist tests/batches/test_batch_crashes.py -k mid_batch

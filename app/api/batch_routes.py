@@ -39,6 +39,12 @@ BATCH_MAX_BODY_BYTES = MAX_BATCH_BYTES
         "reference and its value date, so the same file sent again, under any key, pays nothing twice "
         "(docs/batches.md). The upload's own `Idempotency-Key` makes the upload safe to retry."
     ),
+    # The body is a file, read raw: described here, since no model describes it.
+    openapi_extra={"requestBody": {"required": True, "content": {
+        "text/csv": {"schema": {"type": "string"}, "example": ",".join(CSV_COLUMNS)
+                     + "\nemp-00001,2026-12-24,250000,EUR,tok_visa,Ada Lovelace,DE89370400440532013000\n"},
+        "application/x-ndjson": {"schema": {"type": "string"}},
+    }}},
     responses={
         202: {"description": "Accepted: the rows are queued for payment. Poll `Location`."},
         400: _problem_doc("idempotency-key-missing", "idempotency-key-invalid", "invalid-request", "invalid-batch"),

@@ -93,8 +93,9 @@ async def test_the_broker_restarted_during_a_batch_loses_nothing_and_pays_nothin
 
 
 async def test_two_consumers_on_one_stream_pay_each_row_once(http, stack, db, acme, broker, processes):
-    batch = (await upload(http, stack.api, acme, csv_file(40))).json()
-    consumer(processes, "one", BATCH_CONSUMER_CONCURRENCY="8")
-    consumer(processes, "two", BATCH_CONSUMER_CONCURRENCY="8")
+    both = [consumer(processes, name, BATCH_CONSUMER_CONCURRENCY="4") for name in ("one", "two")]
+    batch = (await upload(http, stack.api, acme, csv_file(40))).json()  # both are up and fetching
     await all_paid_once(http, stack, db, acme, batch, 40)
+    # The precondition that makes this a test of two consumers: each paid some rows.
+    assert all("payment finished" in c.log.read_text() for c in both), [c.tail() for c in both]
     assert await db.fetchval("SELECT count(*) FROM event WHERE type = 'batch.completed'") == 1

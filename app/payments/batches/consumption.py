@@ -86,6 +86,7 @@ async def consume_row(
     if row is None or row["dead_lettered_at"] is not None:
         return ACK  # nothing of ours to pay: never published by us, or a person's already
     client_id, key = row["client_id"], str(row["row_key"])
+    stored = None
     try:
         request = PaymentRequest.model_validate(row["request"])
         stored = await read(services.engine, key_table.load, client_id, key)
@@ -98,8 +99,12 @@ async def consume_row(
                                 uuid.UUID(refused.extensions["payment_id"]))
             return ACK
         if refused.problem in TRANSIENT:
-            return Verdict("retry", float(refused.headers.get("Retry-After", settings.retry_after_seconds)),
-                           refused.problem.slug)
+            delay = float(refused.headers.get("Retry-After", settings.retry_after_seconds))
+            if refused.problem is REQUEST_IN_PROGRESS and stored is not None:
+                # Another owner's lease (a consumer that died holding it, say):
+                # nothing can be done before it runs out.
+                delay = max(delay, min(stored.lease_seconds_left, settings.lease_seconds))
+            return Verdict("retry", delay, refused.problem.slug)
         reason = f"{refused.problem.slug}: {refused.detail}"
     except Exception as exc:
         if database_unavailable(exc):
