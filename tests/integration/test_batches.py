@@ -57,3 +57,15 @@ async def test_a_batch_of_the_wrong_type_or_over_its_cap_is_refused_and_another_
     theirs = await http.get(f"{stack.api}/v1/payment-batches/{batch_id}", headers=globex.auth)
     assert theirs.status_code == 404 and theirs.json()["type"] == "/problems/not-found"
     assert await db.fetchval("SELECT count(*) FROM payment_batch") == 1
+
+
+async def test_payments_batches_submit_stores_a_batch_once_and_says_so_when_run_again(db, acme, processes, tmp_path):
+    path = tmp_path / "payroll-2026-11.csv"
+    path.write_bytes(csv_file(3))
+    code, first = await processes.cli("batches", "submit", str(path), "--client", str(acme.id))
+    assert code == 0 and "3 rows accepted" in first and "replayed" not in first, first
+    code, again = await processes.cli("batches", "submit", str(path), "--client", str(acme.id))
+    assert code == 0 and "replayed" in again, again
+    batch = await db.fetchrow("SELECT id, reference, row_count FROM payment_batch")
+    assert (batch["reference"], batch["row_count"]) == ("payroll-2026-11", 3) and str(batch["id"]) in again
+    assert await db.fetchval("SELECT count(*) FROM batch_outbox") == 3
