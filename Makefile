@@ -10,7 +10,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run cluster soak test mutants bench bench-rate bench-explain bench-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
+.PHONY: install run cluster soak test test-batches test-batches-1000 mutants bench bench-rate bench-explain bench-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
 
 install: $(STAMP)
 
@@ -50,7 +50,19 @@ soak: $(STAMP)
 # (tests/conftest.py). TEST_WORKERS=0 runs every test in the one process.
 TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(BIN)/pytest -n $(TEST_WORKERS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --ignore=tests/batches
+
+# Payment batches over a NATS server of each test's own (docs/batches.md): the
+# consumers' crashes, the broker restarted, two consumers, dead letters.
+# Real payments, several seconds each, so not in `make test`. The mid-batch
+# kill with 1,000 rows instead of 50: `make test-batches-1000`.
+# Two test workers by default: each test starts a broker and consumers of its own beside the stack.
+BATCH_TEST_WORKERS ?= 2
+test-batches: $(STAMP)
+	$(BIN)/pytest -n $(BATCH_TEST_WORKERS) tests/batches
+
+test-batches-1000: $(STAMP)
+	BATCH_ROWS=1000 $(BIN)/pytest -p no:xdist tests/batches/test_batch_crashes.py -k mid_batch
 
 # Deliberate bugs, one safety rule each, that the tests must catch
 # (docs/crash-matrix.md#break-it-yourself); a few minutes.

@@ -46,6 +46,9 @@ keys_cli = typer.Typer(help="Operate the idempotency key table.", no_args_is_hel
 cli.add_typer(keys_cli, name="keys")
 events_cli = typer.Typer(help="Events and their webhook deliveries (docs/outbox-inbox.md).", no_args_is_help=True)
 cli.add_typer(events_cli, name="events")
+batches_cli = typer.Typer(help="Payment batches: files of rows paid over the broker (docs/batches.md).",
+                          no_args_is_help=True)
+cli.add_typer(batches_cli, name="batches")
 console = Console(width=PIPE_WIDTH if _piped else None)
 # Refusals and errors: one line each, on stderr, so a script that reads a
 # command's answer on stdout never mistakes one for it.
@@ -642,6 +645,97 @@ def events_attempts(event_id: str) -> None:
             f"  {latency}  {r['error_class'] or ''} {r['error'] or ''}  {r['url'] or ''}",
             soft_wrap=True, markup=False, highlight=False,
         )
+
+
+@cli.command()
+def consume() -> None:
+    """Pay batch rows from NATS JetStream (NATS_URL), publish the batch outbox, complete finished batches.
+
+    Acknowledges a row only once its payment is durable; several may run.
+    """
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    from app.observability import logs
+    from app.workers import batch_consumer
+
+    _database_url()
+    settings = _settings()
+    logs.configure(settings.log_format, settings.log_level)
+    batch_consumer.main(settings)
+
+
+@batches_cli.command("submit")
+@_uses_database
+def batches_submit(
+    file: str = typer.Argument(..., help="A CSV file (with a header) or JSON lines (.jsonl, .ndjson)."),
+    client: int = typer.Option(..., "--client", help="The client id the rows are paid for."),
+    reference: str = typer.Option(None, "--reference", help="The batch's reference; default: the file's name without its suffix."),
+    key: str = typer.Option(None, "--key", help="The upload's Idempotency-Key; default: derived from the reference and the file's bytes."),
+) -> None:
+    """Submit a payment batch as POST /v1/payment-batches does; print the batch, or every bad row."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from app.machine.engine import Finished
+    from app.payments.batches.submission import submit_batch
+    from app.problems import ProblemError
+    from app.services import open_services
+
+    path = Path(file)
+    try:
+        body = path.read_bytes()
+    except OSError as exc:
+        raise _refuse(f"cannot read {file}: {exc.strerror}") from None
+    reference = reference or path.stem
+    media_type = "text/csv" if path.suffix.lower() == ".csv" else "application/x-ndjson"
+    key = key or "batch-" + hashlib.sha256(reference.encode() + b"\x1f" + body).hexdigest()[:40]
+    settings = _settings()
+
+    async def go():
+        async with open_services(settings) as services:
+            return await submit_batch(services, client, key, reference, body, media_type, row=None)
+
+    try:
+        reply = asyncio.run(go())
+    except ProblemError as problem:
+        errors.print(f"{problem.problem.title}: {problem.detail}", markup=False, highlight=False)
+        for bad in problem.extensions.get("errors", []):
+            errors.print(f"  row {bad['row']}: {bad['field']}: {bad['message']}", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    assert isinstance(reply.outcome, Finished)
+    batch = json.loads(reply.outcome.body)
+    again = " (this upload was accepted before: replayed)" if reply.replayed else ""
+    console.print(f"batch {batch['id']} ({batch['reference']}): {batch['rows']} rows accepted{again}; key {key}",
+                  soft_wrap=True, markup=False, highlight=False)
+
+
+@batches_cli.command("show")
+@_uses_database
+def batches_show(
+    batch_id: str,
+    client: int = typer.Option(..., "--client", help="The batch's client id."),
+) -> None:
+    """A batch's rows counted by state, its failed and dead-lettered rows (as GET /v1/payment-batches/{id})."""
+    import json
+    import uuid
+
+    from app.payments.batches.submission import find_batch
+    from app.services import open_services
+
+    try:
+        bid = uuid.UUID(batch_id)
+    except ValueError:
+        raise _refuse(f"not a batch id: {batch_id!r}") from None
+    settings = _settings()
+
+    async def go():
+        async with open_services(settings) as services:
+            return await find_batch(services, client, bid)
+
+    found = asyncio.run(go())
+    if found is None:
+        raise _refuse(f"no batch {batch_id} of client {client}", 1)
+    console.print_json(json.dumps(found.view()))
 
 
 def main() -> None:

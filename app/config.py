@@ -172,6 +172,16 @@ class Settings(BaseSettings):
     webhook_backoff_cap_seconds: float = Field(default=21600.0, gt=0)
     # Deliveries one worker has in flight at once.
     webhook_concurrency: int = Field(default=16, ge=1)
+    # Payment batches over NATS JetStream (`payments consume`, docs/batches.md).
+    # NATS_URL: the broker; `make run` and the tests start their own unless set.
+    # The broker redelivers a row not acknowledged within the ack wait, so the
+    # ack wait must outlast one row's payment (its calls and phases); a row
+    # that fails the same way on every delivery is dead-lettered after
+    # `batch_max_deliveries`. A consumer pays this many rows at once.
+    nats_url: str = "nats://127.0.0.1:4222"
+    batch_ack_wait_seconds: float = Field(default=60.0, gt=0)
+    batch_max_deliveries: int = Field(default=5, ge=1)
+    batch_consumer_concurrency: int = Field(default=16, ge=1)
     # The egress policy (app/outbox/egress.py, docs/outbox-inbox.md#egress):
     # a webhook URL is https and reaches public addresses only, checked on
     # the resolved address of every connection. Development only: http

@@ -13,6 +13,9 @@ from fastapi.telemetry import TelemetryConfig
 from fastapi_offline import FastAPIOffline
 
 from app.api import errors
+from app.api.batch_routes import BATCH_MAX_BODY_BYTES
+from app.api.batch_routes import PATH as BATCHES_PATH
+from app.api.batch_routes import router as batch_router
 from app.api.body_limit import BodyLimit
 from app.api.in_flight import InFlight, TrackInFlight
 from app.api.metrics import RequestMetrics
@@ -48,6 +51,8 @@ OPENAPI_TAGS = [
     {"name": "payments", "description": "Create a payment, exactly once, and read it back."},
     {"name": "refunds", "description": "Refund a payment, in full or in part, exactly once; its refunds never add up "
      "to more than its charge."},
+    {"name": "payment batches", "description": "A file of payments (a payroll run), every row validated first, "
+     "each row paid exactly once under its natural key, however often the file is sent."},
     {"name": "events", "description": "The decisions about your payments, as a feed; webhooks carry the same events."},
     {"name": "idempotency keys", "description": "An operation's state machine row and timeline, for learners and operators."},
     {"name": "meta", "description": "What a problem `type` means; whether the service can reach its database."},
@@ -98,6 +103,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     errors.install(app)
     app.include_router(router)
+    app.include_router(batch_router)
     # The operator console (docs/console.md): HTML pages under /console,
     # disabled (404) unless OPERATOR_TOKEN is set.
     console.install(app)
@@ -109,7 +115,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Then the body cap, outside the shortcut: a body over the cap is refused
     # (413) before the shortcut, FastAPI or authentication reads it
     # (app/api/body_limit.py).
-    app.add_middleware(BodyLimit)
+    app.add_middleware(BodyLimit, per_path={BATCHES_PATH: BATCH_MAX_BODY_BYTES})
     # Added last, so outermost: every request's task is known to the
     # lifespan's shutdown, which lets cancelled payments give their leases back.
     app.add_middleware(TrackInFlight, in_flight=in_flight)

@@ -44,6 +44,13 @@ INVALID_REQUEST = _t(
     "with its location (the first 20; `errors_omitted` counts any more). Nothing was stored "
     "and the key was not used.",
 )
+INVALID_BATCH = _t(
+    "invalid-batch", 400, "The batch file has bad rows",
+    "Every row of a payment batch is checked before anything is stored; one bad row refuses the "
+    "whole file. `errors` lists every bad row: its number (1 for the first row of data, 0 for the "
+    "file itself), the field and what is wrong. Nothing was stored, nothing was published, and the "
+    "key was not used: fix the rows and send the file again.",
+)
 UNAUTHENTICATED = _t(
     "unauthenticated", 401, "Missing or unknown API key",
     "Send `Authorization: Bearer <api key>`. Create a key with `payments clients create NAME`.",
@@ -167,7 +174,7 @@ CROSS_ORIGIN_REQUEST = _t(
 CATALOGUE: dict[str, ProblemType] = {
     t.slug: t
     for t in (
-        IDEMPOTENCY_KEY_MISSING, IDEMPOTENCY_KEY_INVALID, INVALID_REQUEST, UNAUTHENTICATED,
+        IDEMPOTENCY_KEY_MISSING, IDEMPOTENCY_KEY_INVALID, INVALID_REQUEST, INVALID_BATCH, UNAUTHENTICATED,
         NOT_FOUND, METHOD_NOT_ALLOWED, REQUEST_TIMEOUT, PAYLOAD_TOO_LARGE, REQUEST_HEADER_TOO_LARGE,
         TOO_MANY_CONNECTIONS,
         REQUEST_IN_PROGRESS, DUPLICATE_PAYMENT, DUPLICATE_REFUND, REFUND_EXCEEDS_PAYMENT, PAYMENT_NOT_REFUNDABLE,

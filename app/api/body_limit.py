@@ -32,18 +32,21 @@ MAX_BODY_BYTES = 16 * 1024
 class BodyLimit:
     """ASGI middleware: 413 for a body over `max_bytes`, declared or counted."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES, per_path: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        # A route whose body is a file (a payment batch) has a cap of its own.
+        self.per_path = per_path or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.per_path.get(scope.get("path", ""), self.max_bytes)
         declared = _content_length(scope)
         if declared is not None:
-            if declared > self.max_bytes:
-                await self._refuse(scope, receive, send)
+            if declared > max_bytes:
+                await self._refuse(scope, receive, send, max_bytes)
             else:
                 # The server delivers exactly Content-Length bytes (more would
                 # be the next request's), so there is nothing to count: the
@@ -61,10 +64,10 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > max_bytes:
                     refused = True
                     if not started:
-                        await self._refuse(scope, receive, send)
+                        await self._refuse(scope, receive, send, max_bytes)
                     # To the app, the client is gone: it stops reading, and
                     # whatever it answers is dropped (below).
                     return {"type": "http.disconnect"}
@@ -79,10 +82,11 @@ class BodyLimit:
 
         await self.app(scope, counted, guarded)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, max_bytes: int) -> None:
+        what = "a payment is well under 4 KiB" if max_bytes == self.max_bytes else "this route's cap"
         response = problem_response(
             PAYLOAD_TOO_LARGE,
-            f"the request body is larger than {self.max_bytes} bytes; a payment is well under 4 KiB",
+            f"the request body is larger than {max_bytes} bytes; {what}",
             instance=scope.get("path"),
         )
         await response(scope, receive, send)

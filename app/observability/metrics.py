@@ -86,6 +86,11 @@ REFUNDS_STARTED = Counter(
     "New client refunds: an Idempotency-Key claimed at the refund endpoint (its refund reserved, or refused).",
     registry=REGISTRY,
 )
+BATCHES_ACCEPTED = Counter(
+    "payments_batches_accepted",
+    "Payment batch uploads accepted: a key claimed at the batch endpoint, the batch, its rows and their outbox stored.",
+    registry=REGISTRY,
+)
 REFUNDS_FINISHED = Counter(
     "payments_refunds_finished",
     "Client refunds that reached a final status (succeeded, failed), counted once, by the process whose phase "

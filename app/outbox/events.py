@@ -31,10 +31,12 @@ REFUNDED = "payment.refunded"
 REFUND_SUCCEEDED = "refund.succeeded"
 REFUND_FAILED = "refund.failed"
 REFUND_PENDING = "refund.pending"  # still pending at the PSP after the last poll: reconciliation settles it
+# Every row of a payment batch is final (app/payments/batches/progress.py); it names no payment.
+BATCH_COMPLETED = "batch.completed"
 # Stable names: a client's code switches on them. (The schema checks only
 # their shape, so a new type needs no migration.)
 TYPES = (SUCCEEDED, DECLINED, FAILED, INDETERMINATE, RETURNED, REFUNDED, REFUND_SUCCEEDED, REFUND_FAILED,
-         REFUND_PENDING)
+         REFUND_PENDING, BATCH_COMPLETED)
 _OF_STATUS = {
     "succeeded": SUCCEEDED, "declined": DECLINED, "failed": FAILED, "indeterminate": INDETERMINATE,
     "returned": RETURNED, "refunded": REFUNDED,
@@ -110,12 +112,14 @@ NO_CURSOR = uuid.UUID(int=0)
 class Event:
     id: uuid.UUID
     type: str
-    payment_id: uuid.UUID
+    payment_id: uuid.UUID | None  # None for a batch's event
     data: dict[str, Any]
     created_at: datetime
 
 
-async def emit(conn: AsyncConnection, *, client_id: int, payment_id: uuid.UUID, event_type: str, data: str) -> uuid.UUID:
+async def emit(
+    conn: AsyncConnection, *, client_id: int, payment_id: uuid.UUID | None, event_type: str, data: str
+) -> uuid.UUID:
     """Write one event (and its delivery) in the caller's transaction; its id."""
     assert event_type in TYPES, event_type
     return (

@@ -445,3 +445,40 @@ async def test_0011_gives_every_payment_its_refunded_amount_and_guards_it_by_a_c
                                datetime.now(UTC))
     finally:
         await conn.close()
+
+
+async def test_0012_keeps_every_payment_and_event_and_lets_a_batch_event_name_no_payment(scratch):
+    await migrate(scratch, revision_before("0012"))
+    conn = await asyncpg.connect(scratch)
+    try:
+        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
+        payment = uuid.uuid4()
+        await insert_payment(conn, payment, client, "order-1", "succeeded")
+        await conn.execute("INSERT INTO event (client_id, payment_id, type, data) VALUES ($1, $2, 'payment.succeeded', '{}')",
+                           client, payment)
+        before = ([dict(r) for r in await conn.fetch("SELECT * FROM payment")],
+                  [dict(r) for r in await conn.fetch("SELECT * FROM event")])
+        with pytest.raises(asyncpg.NotNullViolationError):  # before: every event names a payment
+            await conn.execute("INSERT INTO event (client_id, type, data) VALUES ($1, 'batch.completed', '{}')", client)
+    finally:
+        await conn.close()
+
+    await migrate(scratch, "0012")
+
+    conn = await asyncpg.connect(scratch)
+    try:
+        after = ([dict(r) for r in await conn.fetch("SELECT * FROM payment")],
+                 [dict(r) for r in await conn.fetch("SELECT * FROM event")])
+        assert after == before
+        await conn.execute("INSERT INTO event (client_id, type, data) VALUES ($1, 'batch.completed', '{}')", client)
+        batch = uuid.uuid4()
+        await conn.execute("INSERT INTO payment_batch (id, client_id, reference, idempotency_key, row_count)"
+                           " VALUES ($1, $2, 'payroll', 'k', 1)", batch, client)
+        await conn.execute("INSERT INTO payment_batch_row (batch_id, row_number, client_id, row_key, reference, value_date,"
+                           " request, payment_id) VALUES ($1, 1, $2, $3, 'emp-1', '2026-12-24', '{}', $4)",
+                           batch, client, uuid.uuid4(), payment)
+        await conn.execute("INSERT INTO batch_outbox (batch_id, row_number) VALUES ($1, 1)", batch)
+        with pytest.raises(asyncpg.ForeignKeyViolationError):  # an outbox row is always a row's
+            await conn.execute("INSERT INTO batch_outbox (batch_id, row_number) VALUES ($1, 2)", batch)
+    finally:
+        await conn.close()

@@ -43,7 +43,7 @@ async def test_the_document_shows_the_key_header_the_example_and_the_problem_typ
     assert "/problems/idempotency-key-reused" in document["info"]["description"]
     assert "application/problem+json" in create["responses"]["409"]["content"]
     assert {t for ops in document["paths"].values() for op in ops.values() for t in op.get("tags", [])} == {
-        "payments", "refunds", "idempotency keys", "meta", "events", "rail",
+        "payments", "refunds", "payment batches", "idempotency keys", "meta", "events", "rail",
     }
     refund = document["paths"]["/v1/payments/{payment_id}/refunds"]["post"]
     [key] = [p for p in refund["parameters"] if p["name"] == "Idempotency-Key"]

@@ -1,0 +1,1 @@
+"""The message broker the batch rows travel through: NATS JetStream (docs/batches.md)."""

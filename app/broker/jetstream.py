@@ -1,0 +1,96 @@
+"""NATS JetStream, as the batch rows use it: two streams, a publish with a message id, a durable pull consumer.
+
+Where it sits: under the batch publisher and consumer (app/workers/batch_publisher.py,
+app/workers/batch_consumer.py), as the rails' clients sit under the engine.
+What the broker promises, and what it does not (docs/batches.md#what-the-broker-promises):
+
+* A publish answered with a PubAck is stored (file storage: it survives a
+  broker restart). No PubAck (a timeout, a broker restarting) means nothing
+  is known: the publisher publishes again, with the same `Nats-Msg-Id`.
+* `Nats-Msg-Id` deduplicates publishes within the stream's duplicate window
+  only (DUPLICATE_WINDOW_SECONDS): a re-publish later than that is stored
+  twice. So the broker's deduplication is a saving, never the guarantee:
+  the row's natural key in our key table is.
+* Delivery is at least once: a message not acknowledged within the ack wait
+  is delivered again, to this consumer or another. An acknowledgement can
+  itself be lost, so any message may arrive more than once.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
+
+STREAM = "PAYMENT_BATCH_ROWS"
+SUBJECT = "payments.batch.rows"
+DEAD_STREAM = "PAYMENT_BATCH_DEAD"
+DEAD_SUBJECT = "payments.batch.dead"
+DURABLE = "payments"
+DUPLICATE_WINDOW_SECONDS = 120.0
+MSG_ID = "Nats-Msg-Id"
+
+
+@dataclass(frozen=True)
+class RowMessage:
+    """What a message carries: which row to pay (the row itself is read from our database)."""
+
+    batch_id: uuid.UUID
+    row_number: int
+    key: str  # the row's natural key, also its Nats-Msg-Id
+
+    def encode(self) -> bytes:
+        return json.dumps({"batch_id": str(self.batch_id), "row": self.row_number, "key": self.key}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> RowMessage:
+        value = json.loads(data)
+        return cls(uuid.UUID(value["batch_id"]), int(value["row"]), str(value["key"]))
+
+
+async def connect(url: str, name: str) -> Client:
+    """A connection that keeps reconnecting for ever: a broker restart is a pause, never the end of a process."""
+    return await nats.connect(
+        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=2,
+        allow_reconnect=True,
+    )
+
+
+async def ensure_streams(js: JetStreamContext) -> None:
+    """Both streams, on file storage; made if missing, left as they are otherwise."""
+    for name, subject in ((STREAM, SUBJECT), (DEAD_STREAM, DEAD_SUBJECT)):
+        config = StreamConfig(name=name, subjects=[subject], storage=StorageType.FILE,
+                              retention=RetentionPolicy.LIMITS, duplicate_window=DUPLICATE_WINDOW_SECONDS)
+        try:
+            await js.stream_info(name)
+        except nats.js.errors.NotFoundError:
+            await js.add_stream(config)
+
+
+async def publish(js: JetStreamContext, message: RowMessage, *, timeout: float = 5.0) -> None:
+    """Publish one row; returns only once the broker has stored it (its PubAck), raises otherwise."""
+    await js.publish(SUBJECT, message.encode(), timeout=timeout, headers={MSG_ID: message.key})
+
+
+async def dead_letter(js: JetStreamContext, message: RowMessage, reason: str, deliveries: int) -> None:
+    """The row, for a person: on the dead-letter stream, with why and after how many deliveries."""
+    await js.publish(DEAD_SUBJECT, message.encode(), headers={
+        MSG_ID: message.key, "Payments-Reason": reason[:500], "Payments-Deliveries": str(deliveries),
+    })
+
+
+async def subscribe(js: JetStreamContext, *, ack_wait: float, max_ack_pending: int) -> JetStreamContext.PullSubscription:
+    """The durable pull consumer every `payments consume` shares: each message goes to one of them at a time.
+
+    No `max_deliver`: how often a row is tried is our decision, made per
+    failure (app/payments/batches/consumption.py), so that a database
+    outage never dead-letters a row while a poison row is stopped after a few.
+    """
+    config = ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+                            ack_wait=ack_wait, max_deliver=-1, max_ack_pending=max_ack_pending)
+    return await js.pull_subscribe(SUBJECT, durable=DURABLE, stream=STREAM, config=config)

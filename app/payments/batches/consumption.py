@@ -1,0 +1,137 @@
+"""One delivery of one batch row: paid through the payment's machine, and what the broker should be told.
+
+Called by the consumer (app/workers/batch_consumer.py) for every message it
+receives, knowing nothing of the broker: it returns a `Verdict`, and the
+consumer acknowledges, asks for redelivery later, or dead-letters. The rule
+it keeps (docs/batches.md#acknowledge-after-commit): ACK only once the row's
+fate is durable here, never before the claim commits.
+
+    the payment finished, or was released or parked
+    at a SENT point (the recovery worker has it)      -> link the row to it, ACK
+    refused: the payment reference is taken (the key
+    was reaped; the row was paid by an earlier upload) -> link the row to that payment, ACK
+    another attempt holds the key's lease, or the
+    database or key table cannot answer now            -> RETRY later (nothing counted against the row)
+    refused the same way on every delivery (the key
+    was used for a different payment), or a bug        -> RETRY with backoff; DEAD after the last delivery
+
+A delivery that is a duplicate (a redelivery after a lost ack, a re-publish,
+a second upload of the file) meets the key row the first one wrote: the
+matrix answers it with the stored response and nothing is paid twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.db.errors import database_unavailable, describe
+from app.db.transaction import one_statement, read
+from app.idempotency import key_table
+from app.machine.engine import backoff_seconds
+from app.payments import submission
+from app.payments.models import PaymentRequest
+from app.problems import (
+    DUPLICATE_PAYMENT, KEY_TABLE_UNAVAILABLE, REQUEST_IN_PROGRESS, SERVICE_UNAVAILABLE, ProblemError,
+)
+from app.services import Services
+
+log = logging.getLogger(__name__)
+
+TRANSIENT = (REQUEST_IN_PROGRESS, SERVICE_UNAVAILABLE, KEY_TABLE_UNAVAILABLE)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: str  # "ack", "retry" or "dead"
+    delay: float = 0.0  # for "retry": seconds until the broker delivers it again
+    reason: str = ""
+
+
+ACK = Verdict("ack")
+
+_ROW = text("SELECT * FROM payment_batch_row WHERE batch_id = :batch_id AND row_number = :row_number")
+
+# The row's link to its payment, from the key row the machine wrote: its own
+# row, never the batch's. Idempotent: a redelivery writes the same value.
+_LINK = text(
+    """
+    UPDATE payment_batch_row r SET payment_id = k.payment_id
+      FROM idempotency_key k
+     WHERE r.batch_id = :batch_id AND r.row_number = :row_number
+       AND k.client_id = r.client_id AND k.key = CAST(r.row_key AS text)
+    RETURNING r.payment_id
+    """
+)
+_LINK_DUPLICATE = text(
+    "UPDATE payment_batch_row SET payment_id = :payment_id, duplicate = true"
+    " WHERE batch_id = :batch_id AND row_number = :row_number"
+)
+_DEAD = text(
+    "UPDATE payment_batch_row SET dead_lettered_at = coalesce(dead_lettered_at, now()), dead_letter_reason = :reason"
+    " WHERE batch_id = :batch_id AND row_number = :row_number AND payment_id IS NULL"
+)
+
+
+async def consume_row(
+    services: Services, batch_id: uuid.UUID, row_number: int, *, delivery: int, max_deliveries: int
+) -> Verdict:
+    """Pay the row (or answer it from what its key already holds); what to tell the broker."""
+    settings = services.settings
+    row = (await read(services.engine, _fetch, batch_id, row_number))
+    if row is None or row["dead_lettered_at"] is not None:
+        return ACK  # nothing of ours to pay: never published by us, or a person's already
+    client_id, key = row["client_id"], str(row["row_key"])
+    stored = None
+    try:
+        request = PaymentRequest.model_validate(row["request"])
+        stored = await read(services.engine, key_table.load, client_id, key)
+        await submission.submit_payment(services, client_id, key, request, row=stored)
+        await one_statement(services.engine, _link, batch_id, row_number)
+        return ACK
+    except ProblemError as refused:
+        if refused.problem is DUPLICATE_PAYMENT:
+            await one_statement(services.engine, _link_duplicate, batch_id, row_number,
+                                uuid.UUID(refused.extensions["payment_id"]))
+            return ACK
+        if refused.problem in TRANSIENT:
+            delay = float(refused.headers.get("Retry-After", settings.retry_after_seconds))
+            if refused.problem is REQUEST_IN_PROGRESS and stored is not None:
+                # Another owner's lease (a consumer that died holding it, say):
+                # nothing can be done before it runs out.
+                delay = max(delay, min(stored.lease_seconds_left, settings.lease_seconds))
+            return Verdict("retry", delay, refused.problem.slug)
+        reason = f"{refused.problem.slug}: {refused.detail}"
+    except Exception as exc:
+        if database_unavailable(exc):
+            # Not the row's fault: it is tried again however often it takes.
+            return Verdict("retry", backoff_seconds(delivery, settings.backoff_base_seconds,
+                                                    settings.backoff_cap_seconds), describe(exc))
+        log.exception("batch row %s/%s failed", batch_id, row_number)
+        reason = f"error: {describe(exc)}"
+    if delivery < max_deliveries:
+        return Verdict("retry", backoff_seconds(delivery, settings.backoff_base_seconds,
+                                                settings.backoff_cap_seconds), reason)
+    await one_statement(services.engine, _dead, batch_id, row_number, reason)
+    log.warning("batch row %s/%s dead-lettered after %s deliveries: %s", batch_id, row_number, delivery, reason)
+    return Verdict("dead", reason=reason)
+
+
+async def _fetch(conn: AsyncConnection, batch_id: uuid.UUID, row_number: int):
+    return (await conn.execute(_ROW, dict(batch_id=batch_id, row_number=row_number))).mappings().one_or_none()
+
+
+async def _link(conn: AsyncConnection, batch_id: uuid.UUID, row_number: int) -> None:
+    await conn.execute(_LINK, dict(batch_id=batch_id, row_number=row_number))
+
+
+async def _link_duplicate(conn: AsyncConnection, batch_id: uuid.UUID, row_number: int, payment_id: uuid.UUID) -> None:
+    await conn.execute(_LINK_DUPLICATE, dict(batch_id=batch_id, row_number=row_number, payment_id=payment_id))
+
+
+async def _dead(conn: AsyncConnection, batch_id: uuid.UUID, row_number: int, reason: str) -> None:
+    await conn.execute(_DEAD, dict(batch_id=batch_id, row_number=row_number, reason=reason[:500]))
