@@ -109,14 +109,14 @@ async def claim_batch(
     202; its retry replays it, and the publisher publishes the rows anyway.
     Running it again is safe: the claim finds the key and returns no row.
     """
-    token = (
+    claimed = (
         await conn.execute(_CLAIM, dict(client_id=client_id, key=key, endpoint=machine.endpoint,
                                         request_hash=request_hash, recovery_point=FINISHED, payment_id=None,
                                         lease_seconds=lease_seconds))
-    ).scalar_one_or_none()
-    if token is None:
+    ).one_or_none()
+    if claimed is None:
         return None
-    lease = Lease(client_id, key, token)
+    lease = Lease(client_id, key, claimed.lease_token, claimed.stored_on)
     batch = Batch(**(await conn.execute(_INSERT_BATCH, dict(
         id=uuid7(), client_id=client_id, reference=reference, key=key, row_count=len(rows),
     ))).mappings().one())
