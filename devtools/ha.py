@@ -111,9 +111,9 @@ class Ports:
 class HaCluster:
     """etcd, three Patroni nodes and HAProxy, in `root`; stopped together, in reverse."""
 
-    def __init__(self, root: Path, *, base_port: int = 0, nodes: int = 3) -> None:
-        self.root = root
-        self.logs = root / "logs"
+    def __init__(self, root: Path, *, base_port: int = 0, nodes: int = 3, logs: Path | None = None) -> None:
+        self.root = root  # made anew by start: nothing else may live there
+        self.logs = logs or root / "logs"
         ports = Ports(base_port)
         self.etcd_ports = [(ports.next(), ports.next()) for _ in range(3)]  # (client, peer)
         self.node_ports = [(ports.next(), ports.next()) for _ in range(nodes)]  # (postgres, REST)
@@ -145,7 +145,8 @@ class HaCluster:
         try:
             if self.root.exists():
                 shutil.rmtree(self.root)
-            self.logs.mkdir(parents=True)
+            self.root.mkdir(parents=True)
+            self.logs.mkdir(parents=True, exist_ok=True)
             self._start_etcd()
             for n, (pg_port, rest_port) in enumerate(self.node_ports, 1):
                 self.nodes.append(self._start_node(f"pg{n}", pg_port, rest_port))
@@ -188,7 +189,7 @@ class HaCluster:
         if self.user is not None:
             import pwd
 
-            embedded_db.ensure_reachable(self.root)
+            embedded_db.ensure_reachable(directory)
             pw = pwd.getpwnam(self.user)
             os.chown(directory, pw.pw_uid, pw.pw_gid)
         config = directory / "patroni.json"  # JSON is YAML: Patroni reads it as its configuration file
