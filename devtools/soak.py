@@ -570,6 +570,9 @@ class Hooks:
         """More figures for the report."""
         return {}
 
+    def judge(self, report: audit.Report) -> None:
+        """More violations, of what the variant checks itself."""
+
 
 def start_cluster(results: Path, replicas: int, console: Console) -> Cluster:
     system = System(results / "logs", settings=SETTINGS, environ=child_env())
@@ -663,6 +666,7 @@ async def soak(args: argparse.Namespace, cluster: Cluster, results: Path, consol
         evidence.asked_again = {p.reference: {"first": p.response, "again": a}
                                 for p, a in zip(everyone, again, strict=True) if p.response is not None}
     report = audit.audit(evidence)
+    hooks.judge(report)
     finished = {k["key"]: k["finished_at"].timestamp() for k in evidence.keys.values() if k["finished_at"]}
     # Answered `indeterminate`: parked, and finished later by a re-probe or by
     # reconciliation (which unparks the key), so counted apart.

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 from rich.console import Console
 
 from devtools import embedded_db, soak
@@ -126,6 +127,7 @@ class HaHooks(soak.Hooks):
         event["stalled_seconds"] = round(time.time() - event["at"], 1)
         # It woke up as the primary it was: Patroni must see the key is another's and demote it.
         woke = time.time()
+        event["direct_write_to_old_primary"] = asyncio.run(fence_probe(old.pg_port))
         deadline = woke + 120
         while not any(m["name"] == old.name and m.get("role") != "leader" for m in self.ha.members()):
             if time.time() > deadline:
@@ -157,6 +159,13 @@ class HaHooks(soak.Hooks):
 
     # -- after -------------------------------------------------------------------
 
+    def judge(self, report: Any) -> None:
+        for event in self.events:
+            if "failed" in event:
+                report.violate("failover_completed", None, action=event["action"], error=event["failed"])
+            if event.get("direct_write_to_old_primary") == "acknowledged":
+                report.violate("old_primary_fenced", None, node=event["node"])
+
     async def everything_up(self, cluster: soak.Cluster) -> None:
         await soak.everything_up(cluster)
         for node in self.ha.nodes:
@@ -184,9 +193,29 @@ class HaHooks(soak.Hooks):
                 "routed_median_seconds": round(statistics.median(routed), 1) if routed else None,
                 "routed_max_seconds": max(routed) if routed else None,
             }
-        return {"command": self.command, "failovers": self.events, "failover_recovery": recovery,
+        fence = [e["direct_write_to_old_primary"] for e in self.events if "direct_write_to_old_primary" in e]
+        return {"command": self.command, "failovers": self.events, "old_primary_fenced": fence, "failover_recovery": recovery,
                 "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}",
                 "patroni": {"ttl": TTL, "synchronous_mode": True, "synchronous_mode_strict": True}}
+
+
+async def fence_probe(port: int, timeout: float = 5) -> str:
+    """Right after the old primary wakes: a write straight to it, past HAProxy (a transaction that takes
+    a transaction id, so its commit must wait for a synchronous standby). What came back; "acknowledged"
+    would mean a commit the service could have relied on, on a node that no longer leads."""
+    try:
+        conn = await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres", timeout=timeout)
+    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as exc:
+        return f"not acknowledged: could not connect ({type(exc).__name__})"
+    try:
+        await conn.fetchval("SELECT txid_current()", timeout=timeout)
+        return "acknowledged"
+    except asyncio.TimeoutError:
+        return f"not acknowledged: the commit waited {timeout:g} s for a synchronous standby (none follows it)"
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        return f"not acknowledged: {type(exc).__name__}"
+    finally:
+        conn.terminate()
 
 
 def start_cluster(hooks: HaHooks) -> Any:
@@ -225,6 +254,8 @@ def start_cluster(hooks: HaHooks) -> Any:
 
 
 def print_failovers(console: Console, figures: dict[str, Any]) -> None:
+    for outcome in figures["old_primary_fenced"]:
+        console.print(f"stalled primary, woken, written to directly: {outcome}")
     for action, r in figures["failover_recovery"].items():
         if r["count"]:
             console.print(f"{action} x{r['count']}: new primary routed in median {r['routed_median_seconds']} s, "
