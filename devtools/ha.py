@@ -84,6 +84,17 @@ class Node:
             return []
         return [postmaster, *_descendants(postmaster)] if _alive(postmaster) else []
 
+    def wal_receivers(self) -> list[int]:
+        """The PostgreSQL process receiving WAL from the primary (a standby's); [] on a primary."""
+        found = []
+        for pid in self.postgres_pids():
+            try:
+                if b"walreceiver" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+            except OSError:
+                continue
+        return found
+
     def signal_all(self, sig: int) -> list[int]:
         """Send `sig` to the Patroni agent and to its PostgreSQL, all at once (a machine dying or stalling)."""
         pids = ([self.agent.pid] if self.agent.running else []) + self.postgres_pids()
@@ -111,8 +122,11 @@ class Ports:
 class HaCluster:
     """etcd, three Patroni nodes and HAProxy, in `root`; stopped together, in reverse."""
 
-    def __init__(self, root: Path, *, base_port: int = 0, nodes: int = 3, logs: Path | None = None) -> None:
+    def __init__(self, root: Path, *, base_port: int = 0, nodes: int = 3, logs: Path | None = None,
+                 synchronous: bool = True) -> None:
         self.root = root  # made anew by start: nothing else may live there
+        # False only to measure what asynchronous replication loses (make soak-ha ASYNC=1, a report).
+        self.synchronous = synchronous
         self.logs = logs or root / "logs"
         ports = Ports(base_port)
         self.etcd_ports = [(ports.next(), ports.next()) for _ in range(3)]  # (client, peer)
@@ -220,8 +234,12 @@ class HaCluster:
                     # that standby may be promoted: a failover loses no commit the
                     # service was told of. Strict: with no standby left, writes wait
                     # (the service answers 503) rather than go on on one node alone.
-                    "synchronous_mode": True,
-                    "synchronous_mode_strict": True,
+                    "synchronous_mode": self.synchronous,
+                    "synchronous_mode_strict": self.synchronous,
+                    # Asynchronous, a standby behind by any amount may still be promoted
+                    # (Patroni's default refuses one more than 1 MB behind): the loss is
+                    # then what the measurement shows, not hidden by a refusal.
+                    **({} if self.synchronous else {"maximum_lag_on_failover": 1 << 30}),
                     "postgresql": {
                         "use_pg_rewind": True,
                         "use_slots": True,
@@ -322,12 +340,12 @@ listen stats
         return next(n for n in self.nodes if n.name == name)
 
     def healthy(self) -> bool:
-        """A leader running, every other node a streaming standby, one of them synchronous."""
+        """A leader running, every other node a streaming standby, one of them synchronous (if synchronous)."""
         members = self.members()
         roles = [m.get("role") for m in members]
         running = all(m.get("state") in ("running", "streaming") for m in members)
         return (len(members) == len(self.nodes) and roles.count("leader") == 1 and running
-                and "sync_standby" in roles)
+                and ("sync_standby" in roles or not self.synchronous))
 
     def routed_to(self) -> str | None:
         """The node HAProxy sends new connections to now (its one server up), by HAProxy's stats."""
