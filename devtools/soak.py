@@ -394,7 +394,7 @@ class Chaos:
             try:
                 await action()
             except Exception as exc:  # a chaos action that failed is a finding to show, not a reason to stop
-                self.record("action_failed", action=action.__name__, error=repr(exc)[:300])
+                self.record("action_failed", failed=action.__name__, error=repr(exc)[:300])
             pause = self.rng.uniform(1.0, 3.0)
             if first:
                 await asyncio.sleep(pause)
