@@ -30,7 +30,7 @@ from devtools.system import System, with_database
 def main() -> None:
     cli = parser("python -m devtools.cluster_ha", __doc__.splitlines()[0])
     cli.add_argument("--base-port", type=int, default=int(os.environ.get("HA_BASE_PORT", "0")),
-                     help="etcd, PostgreSQL, Patroni and HAProxy on the 16 ports from here (default: free ones)")
+                     help="etcd, PostgreSQL, Patroni and HAProxy on the 14 ports from here (default: free ones)")
     args = cli.parse_args()
     console = Console()
     if find_programs() is None:

@@ -182,9 +182,9 @@ class HaCluster:
                     "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                     "--initial-cluster", peers, "--initial-cluster-state", "new",
                     "--initial-cluster-token", SCOPE,
-                    # Ten times etcd's defaults: on a busy two-CPU machine a 100 ms
-                    # heartbeat is missed often enough to make etcd re-elect its own
-                    # leader, and every re-election stalls Patroni's key renewals.
+                    # Five times etcd's defaults: on a busy two-CPU machine a missed 100 ms
+                    # heartbeat would make etcd re-elect its own leader, and every election
+                    # stalls Patroni's key renewals; still well inside Patroni's TTL.
                     "--heartbeat-interval", "500", "--election-timeout", "5000"]
             process = Process(f"etcd{n}", argv, child_env(), self.logs / f"etcd{n}.log", grace=5)
             self._spawn(process)

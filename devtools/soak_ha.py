@@ -300,7 +300,7 @@ def main() -> None:
                         help="asynchronous replication, the standbys held SECONDS behind before each kill, no "
                              "switchover or stall: what it loses (a report: exit 0 whatever the audit finds)")
     parser.add_argument("--base-port", type=int, default=0,
-                        help="etcd, PostgreSQL, Patroni and HAProxy on the 16 ports from here (default: free ones)")
+                        help="etcd, PostgreSQL, Patroni and HAProxy on the 14 ports from here (default: free ones)")
     # Longer than `make soak`'s runs: the failovers, one after another, take about three minutes.
     parser.set_defaults(payments=450, seconds=180)
     args = parser.parse_args()
