@@ -4,13 +4,16 @@
 # With nginx and its JavaScript module installed (apt-get install nginx libnginx-mod-http-js), docs/chaos.md:
 #   make cluster REPLICAS=3   the system with N API replicas and two workers behind nginx
 #   make soak                 a seeded chaos run through nginx, audited three ways
+# With etcd and HAProxy too (apt-get install etcd-server haproxy), docs/failover.md:
+#   make cluster-ha           the same on three PostgreSQL nodes under Patroni that fail over by themselves
+#   make soak-ha              the soak, killing, freezing and switching over the primary
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run cluster soak test test-batches test-batches-1000 mutants bench bench-rate bench-explain bench-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
+.PHONY: install run cluster cluster-ha soak soak-ha test test-batches test-batches-1000 mutants bench bench-rate bench-explain bench-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
 
 install: $(STAMP)
 
@@ -44,6 +47,43 @@ SECONDS  ?= 60
 soak: $(STAMP)
 	$(NGINX_CHECK)
 	$(BIN)/python -m devtools.soak --seed $(SEED) --payments $(PAYMENTS) --seconds $(SECONDS) --replicas $(REPLICAS)
+
+# The HA cluster's programs (docs/failover.md): etcd and HAProxy from the distribution, Patroni from
+# PyPI in a virtualenv of its own (requirements-ha.txt), so make install and make test never need it.
+# As root Patroni runs as the embedded server's unprivileged user, who must be able to run its
+# interpreter: the distribution's python3 then, not one under /root.
+HA_VENV   := .venv-ha
+HA_STAMP  := $(HA_VENV)/.installed
+HA_PYTHON ?= $(shell test "$$(id -u)" = 0 && test -x /usr/bin/python3 && echo /usr/bin/python3 || echo $(PYTHON))
+HA_CHECK = @{ command -v etcd >/dev/null 2>&1 && { command -v haproxy >/dev/null 2>&1 || test -x /usr/sbin/haproxy; }; } \
+	  || { echo "etcd and HAProxy are needed: apt-get install etcd-server haproxy"; exit 2; }
+
+$(HA_STAMP): requirements-ha.txt
+	test -x $(HA_VENV)/bin/python || $(HA_PYTHON) -m venv $(HA_VENV)
+	$(HA_VENV)/bin/python -m pip install --quiet -r requirements-ha.txt
+	touch $(HA_STAMP)
+
+HA_BASE_PORT ?= 0
+cluster-ha: $(STAMP) $(HA_STAMP)
+	$(NGINX_CHECK)
+	$(HA_CHECK)
+	$(BIN)/python -m devtools.cluster_ha --replicas $(REPLICAS) --base-port $(HA_BASE_PORT)
+
+# The chaos soak on the HA cluster (docs/failover.md#the-soak); non-zero exit on any violation.
+# Two primaries killed, a switchover, a stall past the TTL: about 8 minutes. PAYMENTS and SECONDS
+# are shared with `make soak`: here they default to 450 and 180 (the failovers need the time).
+# SHORT=1: one primary kill and one switchover, 150 payments over 60 s: about 4 minutes (CI's).
+# ASYNC_LAG=3: asynchronous replication instead, the standbys held 3 s behind before each of KILLS
+# kills: what it loses (docs/failover.md#what-asynchronous-replication-costs; a report, exit 0).
+KILLS ?= 2
+ASYNC_LAG ?=
+HA_SOAK_SIZE = $(if $(filter command line environment,$(origin PAYMENTS)),--payments $(PAYMENTS)) \
+	$(if $(filter command line environment,$(origin SECONDS)),--seconds $(SECONDS))
+soak-ha: $(STAMP) $(HA_STAMP)
+	$(NGINX_CHECK)
+	$(HA_CHECK)
+	$(BIN)/python -m devtools.soak_ha --seed $(SEED) --replicas $(REPLICAS) --base-port $(HA_BASE_PORT) \
+	  $(if $(SHORT),--short,$(HA_SOAK_SIZE) --kills $(KILLS)) $(if $(ASYNC_LAG),--async-lag $(ASYNC_LAG))
 
 # Spread over TEST_WORKERS processes, each with a database and a stack of its
 # own; `auto` is three, fewer if the server has too few connections for them
@@ -178,5 +218,5 @@ lock: $(STAMP)
 	$(BIN)/uv pip compile pyproject.toml --extra dev --python-version 3.11 -o requirements.lock
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(HA_VENV) *.egg-info
 	@echo "kept .data/ (the embedded database); remove it yourself to start from nothing"

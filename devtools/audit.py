@@ -44,6 +44,7 @@ POSTINGS = {
 # Every check, in the order the table prints them, with what a violation means.
 CHECKS = {
     "client_answer": "the client got a final answer (no refusal, no give-up)",
+    "no_500": "no answer was a 500 (a lost database is a 503, a misbehaving rail a 502 or 504)",
     "one_payment_row": "one payment row per client payment",
     "charge_once": "at most one charge at the PSP",
     "payout_once": "at most one accepted transfer at the rail",
@@ -57,6 +58,8 @@ CHECKS = {
     "key_finished_or_parked": "each key finished, or parked, after the drain",
     "parked_unsettleable": "no parked payment that reconciliation could have settled",
     "accounts_match": "each ledger account's total equals the outside world's (all payments)",
+    "external_has_payment": "each PSP charge and rail transfer belongs to exactly one payment of ours",
+    "answer_kept": "each final answer a client got is answered again byte for byte (when asked again)",
 }
 
 
@@ -73,6 +76,9 @@ class Evidence:
     transfers: dict[str, list[dict[str, Any]]]  # reference -> rail transfers
     statements: dict[str, dict[str, Any]]  # YYYY-MM-DD -> the rail's statement
     booking_days: int = 3
+    # reference -> {"first": (status, body) the client got, "again": the same request's answer at the
+    # end}; None when the soak did not ask again.
+    asked_again: dict[str, dict[str, Any]] | None = None
 
 
 @dataclass
@@ -134,6 +140,8 @@ def audit(ev: Evidence) -> Report:
         report.answers[final or ("refused" if answer.get("refused") else "none")] += 1
         if answer.get("refused") or answer.get("gave_up") or final not in (*FINAL, "indeterminate"):
             report.violate("client_answer", reference, answer=answer)
+        if answer.get("statuses", {}).get("500"):
+            report.violate("no_500", reference, statuses=answer["statuses"])
         if len(rows) != 1:
             report.violate("one_payment_row", reference, rows=len(rows))
 
@@ -189,6 +197,15 @@ def audit(ev: Evidence) -> Report:
             else:
                 report.parked_left.append(reference)
 
+    for reference in sorted({*ev.charges, *ev.transfers, *ev.refunds}):
+        if reference not in ev.answers or len(ev.payments.get(reference, [])) != 1:
+            report.violate("external_has_payment", reference, payments=len(ev.payments.get(reference, [])),
+                           charges=len(ev.charges.get(reference, [])),
+                           transfers=len(ev.transfers.get(reference, [])))
+    for reference, asked in sorted((ev.asked_again or {}).items()):
+        first, again = asked["first"], asked["again"]
+        if again is None or tuple(again) != tuple(first):
+            report.violate("answer_kept", reference, first=first, again=again)
     _accounts(ev, report)
     return report
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -31,15 +32,27 @@ from devtools.run import (
 from devtools.system import System
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m devtools.cluster", description=__doc__.splitlines()[0])
+def parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The options `make cluster` and `make cluster-ha` share."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--replicas", type=int, default=3, help="API replicas behind nginx (default 3)")
     parser.add_argument("--workers", type=int, default=2, help="recovery workers (default 2)")
     parser.add_argument("--port", type=int, default=8000, help="nginx's port (default 8000)")
     parser.add_argument("--psp-port", type=int, default=8101)
     parser.add_argument("--rail-port", type=int, default=8102)
-    args = parser.parse_args()
-    console = Console()
+    return parser
+
+
+def main() -> None:
+    args = parser("python -m devtools.cluster", __doc__.splitlines()[0]).parse_args()
+    run_cluster(args, Console(), lambda system, console: (open_database(system, console), None))
+
+
+def run_cluster(args: argparse.Namespace, console: Console,
+                databases: Callable[[System, Console], tuple[str, str | None]],
+                title: str = "", banner: Callable[[Console], None] = lambda console: None) -> None:
+    """The replicas, the workers and nginx on the database `databases` opens (its URL, and the fakes' records'
+    URL: None keeps them in the service's database), until Ctrl-C; `banner` adds lines to what is printed."""
     if nginx.find_nginx() is None:
         console.print(f"[red]{nginx.INSTALL_HINT}[/]")
         raise SystemExit(2)
@@ -53,25 +66,26 @@ def main() -> None:
     directory = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")).resolve() / "nginx"
 
     def start() -> None:
-        api_key = demo_api_key(open_database(system, console))
-        system.start_fakes(psp_port=args.psp_port, rail_port=args.rail_port)
+        database_url, records_url = databases(system, console)
+        api_key = demo_api_key(database_url)
+        system.start_fakes(records_url=records_url, psp_port=args.psp_port, rail_port=args.rail_port)
         apis = [system.start_api(f"API {n}") for n in range(1, args.replicas + 1)]
         for n in range(1, args.workers + 1):
             system.start_worker(f"worker {n}")
         balancer = system.start_nginx(apis, directory, port=args.port)
-        console.rule(f"[bold green]exactly-once payments: {args.replicas} replicas behind nginx")
+        console.rule(f"[bold green]exactly-once payments: {args.replicas} replicas behind nginx{title}")
         console.print(f"nginx      {balancer.url}   (config, pid and logs: {directory})")
         for api in apis:
             console.print(f"{api.name:<10} {api.url}")
         console.print(f"fake PSP   {system.psp.url}   (records: /_admin/charges)")
         console.print(f"fake rail  {system.rail.url}   (records: /_admin/transfers)")
         console.print(f"workers    {args.workers}, each resuming any payment whose owner died")
+        banner(console)
         print_pay_once(console, balancer.url, api_key)
         print_console_link(console, balancer.url, operator_token)
         console.print(STOP_HINT)
 
     supervise(system, console, start)
-
 
 if __name__ == "__main__":
     main()

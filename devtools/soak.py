@@ -117,6 +117,7 @@ class Payment:
     final_status: str | None = None
     refused: dict[str, Any] | None = None
     gave_up: bool = False
+    response: tuple[int, str] | None = None  # the final answer's status and body, as received
     attempts: int = 0
     statuses: Counter = field(default_factory=Counter)
 
@@ -174,6 +175,7 @@ class Clients:
                     p.first_status = payment["status"]
                     if payment["status"] in FINAL:
                         p.final_status, p.final_at = payment["status"], p.answered_at
+                        p.response = (status, text)
                     return
                 # processing: the outcome is not known yet; the same key again drives it on.
             elif status not in RETRY_STATUSES or (status == 409 and "request-in-progress" not in text):
@@ -186,6 +188,18 @@ class Clients:
                     pass
             await asyncio.sleep(wait)
         p.gave_up = True
+
+    async def ask_again(self, p: Payment) -> tuple[int, str] | None:
+        """The same key and body once more, after everything: the stored answer, which must be the one the
+        client was given (None if the answer was not final, or the request failed)."""
+        if p.response is None:
+            return None
+        try:
+            async with self.session.post(f"{self.base_url}/v1/payments", data=json.dumps(p.body),
+                                         headers=self.headers | {"Idempotency-Key": p.key}) as r:
+                return r.status, await r.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return 0, type(exc).__name__
 
     async def settle(self, p: Payment, deadline: float) -> None:
         """An indeterminate answer is not final: look again (GET) until reconciliation has settled it."""
@@ -359,20 +373,28 @@ class Chaos:
             r.raise_for_status()
         await self.put_faults(self.c.system.rail, self.rejections())
 
+    def first_actions(self) -> list[Any]:
+        """One of each kind, taken first."""
+        return [self.kill_api, self.kill_worker, self.freeze_api, self.restart_postgres, self.psp_faults,
+                self.rail_faults]
+
+    def weighted_actions(self) -> list[Any]:
+        """What is chosen from at random after the first ones (a kind twice as often is there twice)."""
+        return [self.kill_api] * 3 + [self.kill_worker] * 2 + [self.freeze_api] * 2 + \
+               [self.psp_faults] * 3 + [self.rail_faults] * 3
+
     async def run(self, until: asyncio.Event) -> None:
         """One action at a time: first one of each kind (in a seeded order), then a weighted random choice."""
-        first = [self.kill_api, self.kill_worker, self.freeze_api, self.restart_postgres, self.psp_faults,
-                 self.rail_faults]
+        first = self.first_actions()
         self.rng.shuffle(first)
-        weighted = [self.kill_api] * 3 + [self.kill_worker] * 2 + [self.freeze_api] * 2 + \
-                   [self.psp_faults] * 3 + [self.rail_faults] * 3
+        weighted = self.weighted_actions()
         # One of each is taken even if the load ends first, so a short run meets every kind.
         while first or not until.is_set():
             action = first.pop(0) if first else self.rng.choice(weighted)
             try:
                 await action()
             except Exception as exc:  # a chaos action that failed is a finding to show, not a reason to stop
-                self.record("action_failed", action=action.__name__, error=repr(exc)[:300])
+                self.record("action_failed", failed=action.__name__, error=repr(exc)[:300])
             pause = self.rng.uniform(1.0, 3.0)
             if first:
                 await asyncio.sleep(pause)
@@ -475,7 +497,8 @@ async def collect(cluster: Cluster, payments: list[Payment], first_day: date) ->
         return out
 
     answers = {p.reference: {"final_status": p.final_status, "first_status": p.first_status,
-                             "refused": p.refused, "gave_up": p.gave_up, "kind": p.kind} for p in payments}
+                             "refused": p.refused, "gave_up": p.gave_up, "kind": p.kind,
+                             "statuses": dict(p.statuses)} for p in payments}
     return audit.Evidence(answers, by_reference(rows), keys, ledger, by_reference(charges),
                           by_reference(refunds), by_reference(transfers), statements, BOOKING_DAYS)
 
@@ -529,6 +552,28 @@ def stranded(access_log: Path, events: list[dict[str, Any]], finished: dict[str,
 # -- the soak ------------------------------------------------------------------
 
 
+class Hooks:
+    """What a variant of the soak adds (devtools/soak_ha.py); these defaults are `make soak`'s."""
+
+    ask_again = False  # after everything, ask every final answer again: it must be the same, byte for byte
+
+    def chaos(self, cluster: Cluster, rng: random.Random, reject_refs: list[str], console: Console) -> Chaos:
+        return Chaos(cluster, rng, reject_refs, console)
+
+    async def during_chaos(self, clients: Clients, load_done: asyncio.Event) -> None:
+        """Runs beside the chaos loop while the chaos run's load lasts; the load waits for it to end."""
+
+    async def everything_up(self, cluster: Cluster) -> None:
+        await everything_up(cluster)
+
+    def figures(self, payments: list[Payment]) -> dict[str, Any]:
+        """More figures for the report."""
+        return {}
+
+    def judge(self, report: audit.Report) -> None:
+        """More violations, of what the variant checks itself."""
+
+
 def start_cluster(results: Path, replicas: int, console: Console) -> Cluster:
     system = System(results / "logs", settings=SETTINGS, environ=child_env())
     database_url = os.environ.get("DATABASE_URL")
@@ -565,7 +610,9 @@ def start_cluster(results: Path, replicas: int, console: Console) -> Cluster:
     return Cluster(system, apis, workers, balancer, server, system.database_url, rails_url, api_key)
 
 
-async def soak(args: argparse.Namespace, cluster: Cluster, results: Path, console: Console) -> dict[str, Any]:
+async def soak(args: argparse.Namespace, cluster: Cluster, results: Path, console: Console,
+               hooks: Hooks | None = None) -> dict[str, Any]:
+    hooks = hooks or Hooks()
     rng = random.Random(args.seed)
     calm = plan_payments(rng, "calm", args.seed, args.payments)
     chaotic = plan_payments(rng, "chaos", args.seed, args.payments)
@@ -577,7 +624,7 @@ async def soak(args: argparse.Namespace, cluster: Cluster, results: Path, consol
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         clients = Clients(session, cluster.balancer.url, cluster.api_key, journal, asyncio.Lock())
-        chaos = Chaos(cluster, random.Random(args.seed + 1), reject_refs, console)
+        chaos = hooks.chaos(cluster, random.Random(args.seed + 1), reject_refs, console)
         await chaos.clear_faults()  # the planned rejections only
         budget = args.seconds * 4 + 120  # a run that has not answered by then gives up: a violation
 
@@ -589,17 +636,19 @@ async def soak(args: argparse.Namespace, cluster: Cluster, results: Path, consol
         console.rule(f"chaos run: {args.payments} payments over {args.seconds:g} s")
         load_done = asyncio.Event()
         chaos_task = asyncio.create_task(chaos.run(load_done))
+        extra_task = asyncio.create_task(hooks.during_chaos(clients, load_done))
         try:
             start, end = await offer(clients, chaotic, args.seconds, args.concurrency, time.monotonic() + budget)
         finally:
             load_done.set()
             await chaos_task
+            await extra_task
         chaos_rate = len(chaotic) / max(end - start, 1e-9)
         console.print(f"  {chaos_rate:.1f} payments/s ({end - start:.1f} s)")
 
         console.rule("calm phase: faults cleared, everything up, drain, close the days, reconcile, drain")
         await chaos.clear_faults()
-        await everything_up(cluster)
+        await hooks.everything_up(cluster)
         first_drain = await drain(cluster.database_url, args.drain_seconds)
         console.print(f"  drained in {first_drain:.1f} s")
         reconciled = await close_days_and_reconcile(cluster, first_day, console)
@@ -607,12 +656,17 @@ async def soak(args: argparse.Namespace, cluster: Cluster, results: Path, consol
         console.print(f"  drained again in {second_drain:.1f} s")
         settle_by = time.monotonic() + args.drain_seconds
         await asyncio.gather(*(clients.settle(p, settle_by) for p in everyone))
+        again = await asyncio.gather(*(clients.ask_again(p) for p in everyone)) if hooks.ask_again else []
         clients.done(everyone)
         await chaos.http.close()
     journal.close()
 
     evidence = await collect(cluster, everyone, first_day)
+    if hooks.ask_again:
+        evidence.asked_again = {p.reference: {"first": p.response, "again": a}
+                                for p, a in zip(everyone, again, strict=True) if p.response is not None}
     report = audit.audit(evidence)
+    hooks.judge(report)
     finished = {k["key"]: k["finished_at"].timestamp() for k in evidence.keys.values() if k["finished_at"]}
     # Answered `indeterminate`: parked, and finished later by a re-probe or by
     # reconciliation (which unparks the key), so counted apart.
@@ -639,14 +693,16 @@ async def soak(args: argparse.Namespace, cluster: Cluster, results: Path, consol
                   "by_check": dict(report.by_check()), "outcomes": dict(report.outcomes),
                   "answers": dict(report.answers), "parked_left_for_a_person": report.parked_left,
                   "accounts": report.accounts, "details": report.violations},
+        **hooks.figures(everyone),
         "chaos_events": chaos.events,
         "payments_detail": [asdict(p) for p in everyone if p.refused or p.gave_up],
         "_report": report,
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m devtools.soak", description=__doc__.splitlines()[0])
+def arguments(prog: str, description: str) -> argparse.ArgumentParser:
+    """The options of `make soak` (and of the soaks built on it)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--payments", type=int, default=300, help="per run (calm, then chaos)")
     parser.add_argument("--seconds", type=float, default=60, help="each run offers its payments over this long")
@@ -654,8 +710,18 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="unanswered payments at a time")
     parser.add_argument("--drain-seconds", type=float, default=180)
     parser.add_argument("--results", type=Path, default=None, help="default .data/soak/<seed>-<time>")
-    args = parser.parse_args()
-    console = Console(width=120)
+    return parser
+
+
+def main() -> None:
+    args = arguments("python -m devtools.soak", __doc__.splitlines()[0]).parse_args()
+    run(args, Console(width=120), start_cluster)
+
+
+def run(args: argparse.Namespace, console: Console, start: Any, hooks: Hooks | None = None,
+        print_more: Any = lambda console, figures: None) -> None:
+    """Start the cluster (`start(results, replicas, console)`), soak it, print the audit and the figures
+    (and `print_more`'s), write them to the results directory; exit 1 on any violation."""
     if nginx.find_nginx() is None:
         console.print(f"[red]{nginx.INSTALL_HINT}[/]")
         raise SystemExit(2)
@@ -664,10 +730,10 @@ def main() -> None:
     results = results.resolve()
     results.mkdir(parents=True, exist_ok=True)
 
-    cluster = start_cluster(results, args.replicas, console)
+    cluster = start(results, args.replicas, console)
     try:
         console.print(f"nginx {cluster.balancer.url} over {len(cluster.apis)} replicas; results in {results}")
-        figures = asyncio.run(soak(args, cluster, results, console))
+        figures = asyncio.run(soak(args, cluster, results, console, hooks))
     finally:
         for pid in cluster.frozen:
             os.kill(pid, signal.SIGCONT)
@@ -686,9 +752,9 @@ def main() -> None:
     console.print("chaos actions: " + ", ".join(f"{k}={v}" for k, v in sorted(figures["chaos_actions"].items())))
     for skipped in figures["chaos_skipped"]:
         console.print(f"skipped: {skipped}")
+    print_more(console, figures)
     console.print(f"results: {results / 'soak.json'}")
     raise SystemExit(1 if report.violations else 0)
-
 
 if __name__ == "__main__":
     main()

@@ -8,6 +8,7 @@ door of optimisations: app/fastpath/lookup_pool.py.)
 
 from __future__ import annotations
 
+from asyncpg import ReadOnlySQLTransactionError
 from sqlalchemy import text
 from sqlalchemy import event
 from sqlalchemy.exc import DisconnectionError
@@ -45,8 +46,27 @@ def build_engine(settings: Settings) -> AsyncEngine:
         pool_pre_ping=False,
         connect_args={"server_settings": SERVER_SETTINGS},
     )
-    event.listen(engine.sync_engine, "checkout", _replace_if_closed)
+    install_listeners(engine)
     return engine
+
+
+def install_listeners(engine: AsyncEngine) -> None:
+    """What every engine of the service does with its connections: below."""
+    event.listen(engine.sync_engine, "checkout", _replace_if_closed)
+    event.listen(engine.sync_engine, "handle_error", _read_only_is_a_disconnect)
+
+
+def _read_only_is_a_disconnect(context) -> None:
+    """A write refused as read-only (SQLSTATE 25006) means this connection reached a node that is not the
+    primary (a standby, or the old primary during a failover, docs/failover.md): treat it as a lost
+    connection, so the pool discards it and every connection made before it, and the next ones are made
+    anew, through whatever now routes to the primary. Never retried on the same connection."""
+    exc = context.original_exception
+    while exc is not None:  # the dialect wraps asyncpg's error; it is the cause
+        if isinstance(exc, ReadOnlySQLTransactionError):
+            context.is_disconnect = True
+            return
+        exc = exc.__cause__
 
 
 def _replace_if_closed(dbapi_connection, connection_record, connection_proxy) -> None:

@@ -29,6 +29,10 @@ _SERVER_GONE = (
     asyncpg.CrashShutdownError,  # another backend crashed; the server is restarting
     asyncpg.CannotConnectNowError,  # "the database system is starting up / shutting down"
     asyncpg.TooManyConnectionsError,  # refused at connect: every slot taken (often just after a restart)
+    # 25006: a write reached a read-only node, a standby or a primary being
+    # demoted in a failover (docs/failover.md). Nothing was written; the
+    # primary is elsewhere now, and the next connection finds it.
+    asyncpg.ReadOnlySQLTransactionError,
 )
 
 

@@ -22,6 +22,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from app.config import Settings, asyncpg_url
+from app.db.engine import install_listeners
 from app.db.errors import database_unavailable, describe
 from app.main import create_app
 from devtools.processes import free_port
@@ -134,6 +135,34 @@ async def test_a_pooled_connection_used_as_the_server_says_goodbye_is_unavailabl
 
     assert database_unavailable(farewell)
     assert not database_unavailable(misuse)
+
+
+async def test_a_write_on_a_read_only_node_is_unavailable_and_the_pool_lets_go_of_the_connection(server_url):
+    # What a standby, or a primary being demoted in a failover, answers a write
+    # (docs/failover.md): SQLSTATE 25006. A read-only session gets the same
+    # answer from this one server, so no second node is needed.
+    engine = create_async_engine(asyncpg_url(server_url), pool_size=1, max_overflow=0)
+    install_listeners(engine)
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(text("SET default_transaction_read_only = on"))
+            await conn.commit()
+            pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+            refused = await raised(conn.execute(text("CREATE TEMP TABLE written (x int)")))
+        bare = await asyncpg.connect(server_url, server_settings={"default_transaction_read_only": "on"})
+        try:
+            refused_bare = await raised(bare.execute("CREATE TEMP TABLE written (x int)"))
+        finally:
+            await bare.close()
+
+        assert getattr(refused.orig, "sqlstate", None) == "25006" and refused_bare.sqlstate == "25006"
+        assert database_unavailable(refused) and database_unavailable(refused_bare)
+        # Never used for a write again: the pool made a new connection.
+        async with engine.connect() as conn:
+            assert (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one() != pid
+            assert (await conn.execute(text("SHOW transaction_read_only"))).scalar_one() == "off"
+    finally:
+        await engine.dispose()
 
 
 @pytest.mark.parametrize(

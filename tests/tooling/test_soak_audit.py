@@ -112,3 +112,29 @@ def test_external_outcomes():
     assert external_outcome([succeeded], [], [], AMOUNT) == "charged"
     assert external_outcome([succeeded, succeeded], [], [], AMOUNT) == "inconsistent"
     assert external_outcome([succeeded], [], [{"amount": AMOUNT - 1}], AMOUNT) == "inconsistent"
+
+
+def test_a_charge_of_no_payment_a_changed_answer_and_a_500_are_violations():
+    # What make soak-ha adds (docs/failover.md#the-soak-make-soak-ha): a failover must lose no stored
+    # answer, leave no money moved for a payment we have no row of, and never answer 500.
+    ev = evidence()
+    ev.charges["lost"] = [{"id": "ch_9", "status": "succeeded", "amount": AMOUNT}]
+    ev.transfers["lost"] = [{"id": "tr_9", "status": "accepted", "amount": NET, "end_to_end_reference": "E2Elost"}]
+    first = (201, '{"id": "p1", "status": "succeeded"}')
+    ev.asked_again = {"paid": {"first": first, "again": first},
+                      "declined": {"first": (201, '{"id": "p2", "status": "declined"}'),
+                                   "again": (201, '{"id": "p3", "status": "processing"}')}}
+    ev.answers["refunded"]["statuses"] = {"503": 4, "500": 1, "201": 1}
+    report = audit(ev)
+    checks = report.by_check()
+    assert checks["external_has_payment"] == 1
+    assert checks["answer_kept"] == 1 and [v["reference"] for v in report.violations
+                                            if v["check"] == "answer_kept"] == ["declined"]
+    assert checks["no_500"] == 1
+
+
+def test_an_answer_asked_again_that_failed_is_a_violation_but_not_asking_is_not():
+    ev = evidence()
+    assert audit(ev).by_check()["answer_kept"] == 0  # make soak does not ask again
+    ev.asked_again = {"paid": {"first": (201, "{}"), "again": (0, "ClientConnectionError")}}
+    assert audit(ev).by_check()["answer_kept"] == 1

@@ -1,0 +1,334 @@
+"""Development tooling, not the payment path: `make soak-ha`, the chaos soak on a database that fails over.
+
+    python -m devtools.soak_ha --seed 1 --payments 450 --seconds 180 --kills 2
+    python -m devtools.soak_ha --short            # what CI runs: one kill, one switchover
+
+The soak of `make soak` (devtools/soak.py: calm run, chaos run, calm phase,
+the three-way audit), with our database on the HA cluster of devtools/ha.py
+(three PostgreSQL nodes under Patroni, synchronous and strict, behind
+HAProxy) and the fakes' records on a private embedded server outside it.
+Beside the soak's own chaos (replicas and workers killed and frozen, fault
+plans on the PSP and the rail; its PostgreSQL restart is left out: the
+failovers replace it), the chaos run takes, one after the other, each
+finished before the next starts:
+
+- `kill_primary` (--kills times): SIGKILL of the primary's Patroni and of
+  its PostgreSQL (postmaster and every backend) at once, a machine dying;
+  Patroni elects the synchronous standby once the leader key expires (TTL);
+  the dead node is started again and rejoins as a standby (pg_rewind);
+- `switchover`: a planned one, through Patroni's REST API;
+- `stall_primary` (not in --short): SIGSTOP of the primary's Patroni and
+  PostgreSQL together, past the TTL, then SIGCONT: the old primary wakes up
+  believing it leads, and must not take a write the service relies on:
+  the moment it wakes, a write is sent straight to it (past HAProxy), and
+  an acknowledged commit there fails the run, as does a failover that did
+  not complete.
+
+The audit adds, to the soak's checks: every final answer a client got is
+asked again at the end and must come back byte for byte; every PSP charge
+and rail transfer belongs to one payment; no answer was a 500. Per
+failover it reports how long the cluster took to route to a new primary and
+the recovery time (the first payment offered after the failure began that
+got its final answer), median and max, beside the throughput against the
+calm run. docs/failover.md#the-soak has the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import shutil
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from rich.console import Console
+
+from devtools import embedded_db, soak
+from devtools.ha import INSTALL_HINT, TTL, HaCluster, find_programs
+from devtools.processes import child_env, free_port
+from devtools.system import System
+
+FAILOVERS = ("kill_primary", "switchover", "stall_primary")
+SHORT = {"payments": 150, "seconds": 60, "kills": 1, "stall": False}
+
+
+class HaChaos(soak.Chaos):
+    """The soak's chaos without its PostgreSQL restart: the failovers of HaHooks take its place."""
+
+    def first_actions(self) -> list[Any]:
+        return [a for a in super().first_actions() if a != self.restart_postgres]
+
+
+class HaHooks(soak.Hooks):
+    """The failovers, run one after another beside the soak's chaos, and their figures."""
+
+    ask_again = True
+
+    def __init__(self, plan: list[str], console: Console, command: str, base_port: int = 0,
+                 lag: float = 0) -> None:
+        self.plan, self.console, self.command, self.base_port = plan, console, command, base_port
+        self.lag = lag  # > 0: asynchronous replication, every standby held this far behind before each kill
+        self.ha: HaCluster  # made by start_cluster
+        self.events: list[dict[str, Any]] = []
+
+    def chaos(self, cluster: soak.Cluster, rng: Any, reject_refs: list[str], console: Console) -> soak.Chaos:
+        self.soak_chaos = HaChaos(cluster, rng, reject_refs, console)
+        return self.soak_chaos
+
+    async def during_chaos(self, clients: soak.Clients, load_done: asyncio.Event) -> None:
+        await asyncio.sleep(5)  # some load on the primary first
+        for action in self.plan:
+            event = {"action": action, "at": time.time()}
+            self.events.append(event)
+            try:
+                await asyncio.to_thread(getattr(self, action), event)
+            except Exception as exc:  # shown in the report as a finding; the soak goes on to its audit
+                event["failed"] = repr(exc)[:300]
+            self.console.print(f"  failover: {action} " + " ".join(
+                f"{k}={v}" for k, v in event.items() if k not in ("action", "at")), highlight=False)
+            await asyncio.sleep(3)
+
+    # -- the failovers (in a thread: they block) ---------------------------------
+
+    def kill_primary(self, event: dict[str, Any]) -> None:
+        old = self._leader()
+        receivers = [pid for node in self.ha.nodes if node is not old for pid in node.wal_receivers()]
+        if self.lag:
+            # The loss is not left to chance (on loopback a standby is never behind): the standbys stop
+            # receiving while the primary goes on committing; then it dies, and what they had not
+            # received dies with it (their WAL receivers are killed, with whatever sat in their sockets).
+            for pid in receivers:
+                os.kill(pid, signal.SIGSTOP)
+            time.sleep(self.lag)
+            event["standbys_behind_seconds"] = self.lag
+        event["at"] = time.time()
+        old.signal_all(signal.SIGKILL)
+        if self.lag:
+            for pid in receivers:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        event["node"] = old.name
+        self._routed_elsewhere(old.name, event, TTL + 60)
+        self.ha.restart_agent(old)
+        self.ha.wait_healthy(120)
+        event["rejoined_seconds"] = round(time.time() - event["at"], 1)
+
+    def switchover(self, event: dict[str, Any]) -> None:
+        old = self._leader()
+        event["at"] = time.time()
+        answer = self.ha.switchover()
+        event["node"], event["answer"] = old.name, answer["answer"][:80]
+        self._routed_elsewhere(old.name, event, 60)
+        self.ha.wait_healthy(120)
+        event["rejoined_seconds"] = round(time.time() - event["at"], 1)
+
+    def stall_primary(self, event: dict[str, Any]) -> None:
+        old = self._leader()
+        event["at"] = time.time()
+        stopped = old.signal_all(signal.SIGSTOP)
+        event["node"] = old.name
+        try:
+            self._routed_elsewhere(old.name, event, TTL + 60)
+        finally:
+            for pid in stopped:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        event["stalled_seconds"] = round(time.time() - event["at"], 1)
+        # It woke up as the primary it was: Patroni must see the key is another's and demote it.
+        woke = time.time()
+        event["direct_write_to_old_primary"] = asyncio.run(fence_probe(old.pg_port))
+        deadline = woke + 120
+        while not any(m["name"] == old.name and m.get("role") != "leader" for m in self.ha.members()):
+            if time.time() > deadline:
+                raise RuntimeError(f"{old.name} was not demoted within 120 s of waking")
+            time.sleep(0.2)  # polling Patroni's view, bounded by the deadline
+        event["demoted_seconds_after_waking"] = round(time.time() - woke, 1)
+        self.ha.wait_healthy(120)
+        event["rejoined_seconds"] = round(time.time() - event["at"], 1)
+
+    def _leader(self) -> Any:
+        self.ha.wait_healthy(120)
+        self.ha.wait_routed(60)
+        leader = self.ha.leader()
+        assert leader is not None
+        return leader
+
+    def _routed_elsewhere(self, old: str, event: dict[str, Any], timeout: float) -> None:
+        """Wait until HAProxy routes to a new leader; the seconds since the failure began, in `event`."""
+        deadline = time.time() + timeout
+        while True:
+            leader = self.ha.leader()
+            if leader is not None and leader.name != old and self.ha.routed_to() == leader.name:
+                break
+            if time.time() > deadline:
+                raise RuntimeError(f"no new primary routed within {timeout:.0f} s")
+            time.sleep(0.1)  # polling Patroni's and HAProxy's view, bounded by the deadline
+        event["new_primary"] = leader.name
+        event["routed_seconds"] = round(time.time() - event["at"], 1)
+
+    # -- after -------------------------------------------------------------------
+
+    def judge(self, report: Any) -> None:
+        for event in self.events:
+            if "failed" in event:
+                report.violate("failover_completed", None, action=event["action"], error=event["failed"])
+            if event.get("direct_write_to_old_primary") == "acknowledged":
+                report.violate("old_primary_fenced", None, node=event["node"])
+
+    async def everything_up(self, cluster: soak.Cluster) -> None:
+        await soak.everything_up(cluster)
+        for node in self.ha.nodes:
+            node.signal_all(signal.SIGCONT)
+            if not node.agent.running:
+                await asyncio.to_thread(self.ha.restart_agent, node)
+        await asyncio.to_thread(self.ha.wait_healthy, 120)
+        await asyncio.to_thread(self.ha.wait_routed, 60)
+
+    def figures(self, payments: list[soak.Payment]) -> dict[str, Any]:
+        for event in self.events:
+            after = [p.answered_at - event["at"] for p in payments
+                     if p.offered_at >= event["at"] and p.answered_at is not None and p.final_status]
+            event["first_payment_seconds"] = round(min(after), 1) if after else None
+        recovery: dict[str, Any] = {}
+        for action in FAILOVERS:
+            times = [e["first_payment_seconds"] for e in self.events
+                     if e["action"] == action and e["first_payment_seconds"] is not None]
+            routed = [e["routed_seconds"] for e in self.events if e["action"] == action and "routed_seconds" in e]
+            recovery[action] = {
+                "count": sum(e["action"] == action for e in self.events),
+                "failed": [e["failed"] for e in self.events if e["action"] == action and "failed" in e],
+                "first_payment_median_seconds": round(statistics.median(times), 1) if times else None,
+                "first_payment_max_seconds": max(times) if times else None,
+                "routed_median_seconds": round(statistics.median(routed), 1) if routed else None,
+                "routed_max_seconds": max(routed) if routed else None,
+            }
+        fence = [e["direct_write_to_old_primary"] for e in self.events if "direct_write_to_old_primary" in e]
+        return {"command": self.command, "failovers": self.events, "old_primary_fenced": fence, "failover_recovery": recovery,
+                "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}",
+                "patroni": {"ttl": TTL, "synchronous_mode": True, "synchronous_mode_strict": True}}
+
+
+async def fence_probe(port: int, timeout: float = 5) -> str:
+    """Right after the old primary wakes: a write straight to it, past HAProxy. What came back;
+    "acknowledged" would mean a commit the service could have relied on, on a node that no longer leads.
+
+    The write must be one whose commit waits for a synchronous standby: a transaction that wrote WAL
+    before its commit record. (`SELECT txid_current()` alone does not: PostgreSQL commits a transaction
+    that wrote nothing but its commit record asynchronously, and an earlier probe was fooled by it.)
+    Creating a temporary table writes the catalogs' WAL, and leaves nothing behind."""
+    try:
+        conn = await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres", timeout=timeout)
+    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as exc:
+        return f"not acknowledged: could not connect ({type(exc).__name__})"
+    try:
+        await conn.execute("CREATE TEMP TABLE fence_probe (at timestamptz)", timeout=timeout)
+        return "acknowledged"
+    except asyncio.TimeoutError:
+        return f"not acknowledged: the commit waited {timeout:g} s for a synchronous standby (none follows it)"
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        return f"not acknowledged: {type(exc).__name__}"
+    finally:
+        conn.terminate()
+
+
+def start_cluster(hooks: HaHooks) -> Any:
+    """soak.start_cluster's counterpart: our database on the HA cluster, the fakes' on a private server."""
+
+    def start(results: Path, replicas: int, console: Console) -> soak.Cluster:
+        system = System(results / "logs", settings=soak.SETTINGS, environ=child_env())
+        # Not under /tmp/pytest-of-*, whose mode other sessions reset (as soak.py's servers).
+        root = Path(tempfile.mkdtemp(prefix="payments-soak-ha-"))
+        system.defer(shutil.rmtree, root, True)
+        ha = hooks.ha = HaCluster(root / "ha", base_port=hooks.base_port, logs=results / "logs" / "ha",
+                                  synchronous=not hooks.lag)
+        try:
+            with console.status("starting etcd, three PostgreSQL nodes under Patroni, and HAProxy"):
+                ha.start()
+            system.defer(ha.stop)
+            rails_server = embedded_db.EmbeddedServer(root / "rails", free_port())
+            embedded_db.start(rails_server)
+            system.defer(embedded_db.stop, rails_server)
+            embedded_db.create_database(rails_server.url(), "rails")
+            rails_url = rails_server.url("rails")
+            system.start_postgres(server_url=ha.url)
+            system.create_database("payments")
+            _, api_key = system.create_client("soak")
+            system.start_fakes(records_url=rails_url,
+                               rail_args=("--legacy-accounts", soak.LEGACY_IBAN, "--cutoff", "24:00"))
+            apis = [system.start_api(f"api-{n}") for n in range(1, replicas + 1)]
+            workers = [system.start_worker(f"worker-{n}") for n in (1, 2)]
+            balancer = system.start_nginx(apis, results / "nginx")
+        except BaseException:
+            system.stop()
+            ha.stop()
+            raise
+        return soak.Cluster(system, apis, workers, balancer, None, system.database_url, rails_url, api_key)
+
+    return start
+
+
+def print_failovers(console: Console, figures: dict[str, Any]) -> None:
+    for outcome in figures["old_primary_fenced"]:
+        console.print(f"stalled primary, woken, written to directly: {outcome}")
+    for action, r in figures["failover_recovery"].items():
+        if r["count"]:
+            console.print(f"{action} x{r['count']}: new primary routed in median {r['routed_median_seconds']} s, "
+                          f"max {r['routed_max_seconds']} s; first payment after it in median "
+                          f"{r['first_payment_median_seconds']} s, max {r['first_payment_max_seconds']} s"
+                          + (f"; [red]failed: {r['failed']}[/]" if r["failed"] else ""))
+
+
+def main() -> None:
+    parser = soak.arguments("python -m devtools.soak_ha", __doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=2, help="primaries killed (SIGKILL), default 2")
+    parser.add_argument("--no-stall", action="store_true", help="leave out the SIGSTOP stall past the TTL")
+    parser.add_argument("--short", action="store_true",
+                        help=f"CI's: {SHORT['payments']} payments over {SHORT['seconds']} s per run, one kill, "
+                             "one switchover, no stall")
+    parser.add_argument("--async-lag", type=float, default=0, metavar="SECONDS",
+                        help="asynchronous replication, the standbys held SECONDS behind before each kill, no "
+                             "switchover or stall: what it loses (a report: exit 0 whatever the audit finds)")
+    parser.add_argument("--base-port", type=int, default=0,
+                        help="etcd, PostgreSQL, Patroni and HAProxy on the 14 ports from here (default: free ones)")
+    # Longer than `make soak`'s runs: the failovers, one after another, take about three minutes.
+    parser.set_defaults(payments=450, seconds=180)
+    args = parser.parse_args()
+    if args.short:
+        args.payments, args.seconds, args.kills, args.no_stall = (
+            SHORT["payments"], SHORT["seconds"], SHORT["kills"], not SHORT["stall"])
+    console = Console(width=120)
+    if find_programs() is None:
+        console.print(f"[red]{INSTALL_HINT}[/]")
+        raise SystemExit(2)
+    plan = ["kill_primary", "switchover"] + (["stall_primary"] if not args.no_stall else [])
+    plan += ["kill_primary"] * (args.kills - 1)
+    if args.async_lag:
+        plan = ["kill_primary"] * args.kills
+    args_text = ("--short" if args.short else f"--payments {args.payments} --seconds {args.seconds:g} "
+                 f"--kills {args.kills}" + (" --no-stall" if args.no_stall else "")
+                 + (f" --async-lag {args.async_lag:g}" if args.async_lag else ""))
+    command = f"python -m devtools.soak_ha --seed {args.seed} --replicas {args.replicas} {args_text}"
+    hooks = HaHooks(plan, console, command, args.base_port, args.async_lag)
+    try:
+        soak.run(args, console, start_cluster(hooks), hooks, print_failovers)
+    except SystemExit as exit:
+        if args.async_lag and exit.code == 1:
+            console.print("asynchronous replication: the violations above are the measurement (a report, "
+                          "not a gate); docs/failover.md#what-asynchronous-replication-costs")
+            raise SystemExit(0) from None
+        raise
+
+
+if __name__ == "__main__":
+    main()
