@@ -24,7 +24,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import asyncpg
 import pytest
@@ -41,6 +41,7 @@ pytestmark = pytest.mark.usefixtures("stack")
 PSP_GUARD_OFF = {"action": "allow_over_refund", "operation": "refund", "times": None}
 
 EXCEEDS = "/problems/refund-exceeds-payment"
+IN_PROGRESS = "/problems/request-in-progress"
 NOT_REFUNDABLE = "/problems/payment-not-refundable"
 
 
@@ -81,6 +82,31 @@ async def fire(http, stack, acme, payment_id: str, bodies: list[dict], *, first:
         return Answer(n, api, key, body, sent_at, time.monotonic(), response.status_code, response.content)
 
     return list(await asyncio.gather(*(one(first + i, body) for i, body in enumerate(bodies))))
+
+
+async def to_the_end(http, acme, payment_id: str, answers: list[Answer]) -> list[Answer]:
+    """`answers` with every 202 retried under its own key, as its client would, until it is final.
+
+    On a loaded machine a refund's call to the PSP can outlast the tests'
+    PSP_TIMEOUT_SECONDS: that refund is answered 202 (pending), its
+    reservation kept, and a retry of its key finishes it by probing the PSP.
+    The race's verdict is about final answers, so it is judged on them.
+    """
+    final = []
+    for answer in answers:
+        if answer.kind == "pending":
+            retried: list[Answer] = []
+
+            async def finished(a: Answer = answer, out: list[Answer] = retried) -> bool:
+                response = await refund(http, a.api, acme, payment_id, a.body, a.key)
+                out[:] = [replace(a, answered_at=time.monotonic(), status_code=response.status_code,
+                                  content=response.content)]
+                return response.status_code not in (202, 409) or out[0].kind not in ("pending", IN_PROGRESS)
+
+            await until(finished, f"refund {answer.key} to be final", timeout=60)
+            answer = retried[0]
+        final.append(answer)
+    return final
 
 
 def partial(amount: int, count: int, prefix: str, first: int = 0) -> list[dict]:
@@ -229,8 +255,8 @@ async def test_fifty_partial_refunds_at_once_on_two_apis_refund_no_more_than_the
 
     # At least one more than fits queued together on the payment's lock (the
     # two APIs' pools hold 40 connections; the rest follow as they free).
-    answers = await gated(db, database_url, payment["id"], fits + 1,
-                          fire(http, stack, acme, payment["id"], partial(300, 50, "race")))
+    answers = await to_the_end(http, acme, payment["id"], await gated(
+        db, database_url, payment["id"], fits + 1, fire(http, stack, acme, payment["id"], partial(300, 50, "race"))))
 
     kinds = [a.kind for a in answers]
     assert kinds.count("succeeded") == fits and kinds.count(EXCEEDS) == 50 - fits, kinds
@@ -254,7 +280,7 @@ async def test_ten_full_refunds_at_once_on_two_apis_refund_the_charge_once(http,
     await set_faults(http, stack.psp, PSP_GUARD_OFF)
 
     race = fire(http, stack, acme, payment["id"], [{"reference": f"all-{i}"} for i in range(10)])
-    answers = await gated(db, database_url, payment["id"], 10, race)
+    answers = await to_the_end(http, acme, payment["id"], await gated(db, database_url, payment["id"], 10, race))
 
     [won] = [a for a in answers if a.kind == "succeeded"]
     assert won.json["amount"] == 10_000
