@@ -243,7 +243,12 @@ async def db(database_url: str) -> asyncpg.Connection:
 
 @pytest.fixture(scope="session")
 async def http() -> httpx.AsyncClient:
-    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200)) as client:
+    # A kept-alive connection is dropped by this client well before the API
+    # closes it (TIMEOUT_KEEP_ALIVE, 5 s, in app/cli.py): with the two equal, a
+    # request sent on a connection idle for just under 5 s met the server's
+    # close and failed with ReadError (a .ci/run failure).
+    limits = httpx.Limits(max_connections=200, keepalive_expiry=2.0)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
         yield client
 
 
