@@ -43,6 +43,7 @@ from typing import Any
 import asyncpg
 import typer
 
+from bench.instructions import _reset as reset_statements
 from bench.instructions import STATEMENTS_SQL, COMMAND, NoFigure, Stack, known_phases, phase_of, send, show
 from bench.system import LOGS, NAIVE, PHASED, RAILS_DATABASE, SERVICE_DATABASE, SETTINGS, console, fakes, running
 from devtools import embedded_db
@@ -142,12 +143,13 @@ def triggers_fired(runs: list[Explained], payments: int) -> str:
 
 
 async def _reset(url: str) -> None:
+    """pg_stat_statements, created in this server of the bench's own, and emptied."""
     conn = await asyncpg.connect(url)
     try:
         await conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-        await conn.execute("SELECT pg_stat_statements_reset()")
     finally:
         await conn.close()
+    await reset_statements(url)
 
 
 # The bench's own columns, and how often each statement was planned (track_planning).
