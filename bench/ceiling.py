@@ -124,6 +124,15 @@ class _Recorder:
     async def execution_options(self, **_: Any) -> _Recorder:
         return self
 
+    # What app/db/driver.py asks a connection before sending a statement to
+    # asyncpg itself: no options here, so every statement comes to execute().
+    @property
+    def sync_connection(self) -> _Recorder:
+        return self
+
+    def get_execution_options(self) -> dict[str, Any]:
+        return {}
+
     async def execute(self, statement: Any, params: dict[str, Any]) -> _Result:
         return _Result(self._note(statement.text, dict(params)))
 
@@ -153,12 +162,16 @@ class _Result:
         return None if self.row is None else next(iter(self.row.values()))
 
 
+# Modules that only carry a statement to the database: the issuer is whoever called them.
+_PLUMBING = ("app.db.transaction", "app.db.driver", "app.machine.statements")
+
+
 def _issuer() -> str:
     """The service function that issued the statement: the nearest public one in `app` up the stack."""
     frame = sys._getframe(2)
     while frame is not None:
         module, name = frame.f_globals.get("__name__", ""), frame.f_code.co_name
-        if module.startswith("app.") and not name.startswith("_") and module != "app.db.transaction":
+        if module.startswith("app.") and not name.startswith("_") and module not in _PLUMBING:
             return f"{module.rsplit('.', 1)[-1]}.{name}"
         frame = frame.f_back
     return "?"

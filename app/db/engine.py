@@ -15,6 +15,7 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from app.config import Settings
+from app.db.driver import DRIVER_STATEMENTS
 
 # Leases are compared with now() on the server, never with this process's
 # clock; UTC keeps the timestamps we print unambiguous.
@@ -45,6 +46,9 @@ def build_engine(settings: Settings) -> AsyncEngine:
         # server closed is replaced at checkout instead, below.
         pool_pre_ping=False,
         connect_args={"server_settings": SERVER_SETTINGS},
+        # A phase's lone statement goes to asyncpg itself (an optimisation,
+        # app/db/driver.py); off with every other one when REPLAY_SHORTCUT=false.
+        execution_options={DRIVER_STATEMENTS: settings.replay_shortcut},
     )
     install_listeners(engine)
     return engine

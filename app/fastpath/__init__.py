@@ -15,6 +15,11 @@ every answer is the same, byte for byte; the tests run one API each way
   own that sends no reset query when a connection goes back, saving
   SQLAlchemy's execution around it and a second round trip.
 
+One more follows the same switch but lives beside the engine, because a
+statement is sent there: app/db/driver.py sends each phase's lone statement
+to asyncpg itself instead of through SQLAlchemy's execution (app/db/engine.py
+turns it on with REPLAY_SHORTCUT).
+
 One more is not on a request's path at all, and not switched by
 REPLAY_SHORTCUT: app/cli.py serves `payments api --workers N` with it, on Linux.
 

@@ -425,12 +425,9 @@ def storable(body: str) -> str:
 
 async def fenced(conn: AsyncConnection, statement: Statement, lease: Lease, **params: Any) -> Mapping[str, Any]:
     """Run a fenced statement under `lease`: the row it returns, or LeaseLost if the fence held nothing."""
-    row = (
-        await conn.execute(
-            statement.clause,
-            dict(client_id=lease.client_id, key=lease.key, token=lease.token, stored_on=lease.stored_on, **params),
-        )
-    ).mappings().one_or_none()
+    row = await statement.fetch_one(
+        conn, dict(client_id=lease.client_id, key=lease.key, token=lease.token, stored_on=lease.stored_on, **params)
+    )
     if row is None:
         raise LeaseLost(f"lease on {lease.key!r} was taken over; this attempt must stop")
     return row

@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import re
 import textwrap
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from sqlalchemy import TextClause, text
+from sqlalchemy.ext.asyncio import AsyncConnection
 
+from app.db import driver
 from app.idempotency.key_table import ADVANCE_SQL, CLAIM_SQL, FINISH_SQL
 from app.outbox.events import EMIT_SQL
 
@@ -57,6 +61,14 @@ class Statement:
     @cached_property
     def clause(self) -> TextClause:
         return text(self.sql)
+
+    @cached_property
+    def positional(self) -> driver.Positional:
+        return driver.Positional.of(self.clause)
+
+    async def fetch_one(self, conn: AsyncConnection, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """Run this statement on `conn`: the one row it returns, or None (app/db/driver.py says how)."""
+        return await driver.fetch_one(conn, self.clause, self.positional, params)
 
 
 def claim(returning: str, **writes: str) -> Statement:

@@ -94,19 +94,17 @@ async def handler1(
     """
     fee = fee_for(request.amount)
     try:
-        row = (
-            await conn.execute(
-                HANDLER1.clause,
-                dict(
-                    client_id=client_id, key=key, endpoint=machine.endpoint, request_hash=request_hash,
-                    recovery_point=EXT1_SENT, payment_id=new_payment_id(), lease_seconds=lease_seconds,
-                    reference=request.reference, amount=request.amount, currency=request.currency,
-                    fee=fee, net=request.amount - fee, card_token=request.card_token,
-                    beneficiary_name=request.beneficiary.name, beneficiary_iban=request.beneficiary.iban,
-                    psp_charge_key=derived_key(client_id, key, STEP_CHARGE),
-                ),
-            )
-        ).mappings().one_or_none()
+        row = await HANDLER1.fetch_one(
+            conn,
+            dict(
+                client_id=client_id, key=key, endpoint=machine.endpoint, request_hash=request_hash,
+                recovery_point=EXT1_SENT, payment_id=new_payment_id(), lease_seconds=lease_seconds,
+                reference=request.reference, amount=request.amount, currency=request.currency,
+                fee=fee, net=request.amount - fee, card_token=request.card_token,
+                beneficiary_name=request.beneficiary.name, beneficiary_iban=request.beneficiary.iban,
+                psp_charge_key=derived_key(client_id, key, STEP_CHARGE),
+            ),
+        )
     except IntegrityError as exc:
         if "idempotency_key_payment_id_fkey" not in str(exc.orig):
             raise

@@ -13,9 +13,13 @@ from dataclasses import replace
 from datetime import timedelta
 
 import pytest
+from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from app.config import asyncpg_url
+from app.db.driver import DRIVER_STATEMENTS
+from app.db.engine import install_listeners
+from app.db.errors import database_unavailable
 from app.db.transaction import atomic, one_statement
 from app.idempotency.key_table import Lease, LeaseLost
 from app.machine import engine as machine_engine
@@ -29,9 +33,13 @@ from app.rails.answers import Charge, Refund, Transfer
 from tests.support import payment_body
 
 
-@pytest.fixture
-async def engine(database_url):
-    engine = create_async_engine(asyncpg_url(database_url))
+# Every test here runs both ways a phase's statement can be sent: to asyncpg
+# itself (the optimisation of app/db/driver.py, the service's default) and
+# through SQLAlchemy (REPLAY_SHORTCUT=false).
+@pytest.fixture(params=[True, False], ids=["driver", "sqlalchemy"])
+async def engine(database_url, request):
+    engine = create_async_engine(asyncpg_url(database_url), execution_options={DRIVER_STATEMENTS: request.param})
+    install_listeners(engine)
     yield engine
     await engine.dispose()
 
@@ -140,3 +148,68 @@ async def test_a_live_lease_cannot_be_taken_over_and_an_expired_one_can(engine, 
     await db.execute("UPDATE idempotency_key SET lease_expires_at = now() - interval '1 second' WHERE key = $1", key)
     taken = await atomic(engine, machine_engine.take_over_phase, BY_ENDPOINT, acme.id, key, 30)
     assert taken is not None and taken.attempt == 2 and taken.resumed
+
+
+def statements_through_sqlalchemy(engine) -> list[str]:
+    """Every statement SQLAlchemy itself sends on `engine` from now on (the driver path sends none)."""
+    sent: list[str] = []
+    event.listen(engine.sync_engine, "before_cursor_execute", lambda conn, cursor, sql, *rest: sent.append(sql))
+    return sent
+
+
+async def test_a_lone_statement_goes_to_the_driver_only_when_it_is_allowed(engine, db, acme):
+    # Bug caught: the optimisation silently never applies (or applies with
+    # REPLAY_SHORTCUT=false, which must switch every optimisation off).
+    sent = statements_through_sqlalchemy(engine)
+    await new_operation(engine, acme, str(uuid.uuid4()))
+    on = engine.sync_engine.get_execution_options()[DRIVER_STATEMENTS]
+    through_sqlalchemy = [sql for sql in sent if "claim_idempotency_key" in sql]
+    assert through_sqlalchemy == ([] if on else [phases.HANDLER1.positional.sql])
+
+
+async def test_a_statement_inside_a_transaction_is_sqlalchemys_and_rolls_back_with_it(engine, db, acme):
+    # Bug caught: the driver path used inside `atomic` would run the claim
+    # outside the transaction SQLAlchemy began, so it would commit on its own
+    # and survive the rollback of the rest of the phase.
+    key = str(uuid.uuid4())
+    request = PaymentRequest.model_validate(payment_body())
+
+    class Abandoned(Exception):
+        pass
+
+    async def claim_then_fail(conn):
+        op = await phases.handler1(conn, PAYMENT, client_id=acme.id, key=key, request_hash=b"h", request=request,
+                                   lease_seconds=30)
+        assert op is not None
+        raise Abandoned
+
+    with pytest.raises(Abandoned):
+        await atomic(engine, claim_then_fail)
+
+    assert await db.fetchval("SELECT count(*) FROM idempotency_key WHERE key = $1", key) == 0
+    assert await db.fetchval("SELECT count(*) FROM payment") == 0
+
+
+async def test_a_phase_refused_as_read_only_is_an_outage_and_its_connection_is_not_used_again(database_url, db, acme):
+    # What a standby, or a primary being demoted, answers a write (25006): the
+    # phase is a lost database (a 503, a back-off), never a bug, and the pool
+    # must not lend that connection for a write again. Bug caught: the
+    # driver path raising the error without letting go of the connection.
+    engine = create_async_engine(asyncpg_url(database_url), pool_size=1, max_overflow=0,
+                                 execution_options={DRIVER_STATEMENTS: True})
+    install_listeners(engine)
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(text("SET SESSION default_transaction_read_only = on"))
+            await conn.commit()
+            pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+        with pytest.raises(Exception) as refused:
+            await new_operation(engine, acme, str(uuid.uuid4()))
+        assert getattr(refused.value, "sqlstate", None) == "25006" and database_unavailable(refused.value)
+
+        async with engine.connect() as conn:
+            assert (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one() != pid
+        await new_operation(engine, acme, str(uuid.uuid4()))  # and the new connection writes
+    finally:
+        await engine.dispose()
+    assert await db.fetchval("SELECT count(*) FROM payment") == 1

@@ -134,17 +134,15 @@ async def claim_refund(
     duplicate-refund: nothing is stored, and a retry gets the same answer.
     """
     refund_id = uuid7()
-    row = (
-        await conn.execute(
-            CLAIM_REFUND.clause,
-            dict(
-                client_id=client_id, key=key, endpoint=machine.endpoint, request_hash=request_hash,
-                recovery_point=EXT5_SENT, payment_id=payment_id, lease_seconds=lease_seconds,
-                refund_id=refund_id, amount=request.amount, reference=request.reference, reason=request.reason,
-                psp_refund_key=psp_refund_key(client_id, key, refund_id),
-            ),
-        )
-    ).mappings().one_or_none()
+    row = await CLAIM_REFUND.fetch_one(
+        conn,
+        dict(
+            client_id=client_id, key=key, endpoint=machine.endpoint, request_hash=request_hash,
+            recovery_point=EXT5_SENT, payment_id=payment_id, lease_seconds=lease_seconds,
+            refund_id=refund_id, amount=request.amount, reference=request.reference, reason=request.reason,
+            psp_refund_key=psp_refund_key(client_id, key, refund_id),
+        ),
+    )
     if row is None:
         return None
     lease = Lease(client_id, key, row["lease_token"], row["key_stored_on"])
