@@ -482,3 +482,44 @@ async def test_0012_keeps_every_payment_and_event_and_lets_a_batch_event_name_no
             await conn.execute("INSERT INTO batch_outbox (batch_id, row_number) VALUES ($1, 2)", batch)
     finally:
         await conn.close()
+
+
+async def test_0013_keeps_every_row_drops_the_keys_into_client_and_refuses_to_delete_a_client(scratch):
+    await migrate(scratch, revision_before("0013"))
+    conn = await asyncpg.connect(scratch)
+    try:
+        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
+        idle = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('idle', 'h2') RETURNING id")
+        payment = uuid.uuid4()
+        await insert_payment(conn, payment, client, "order-1", "succeeded")
+        await conn.execute("INSERT INTO idempotency_key (client_id, key, endpoint, request_hash, state, recovery_point,"
+                           " payment_id) VALUES ($1, 'k1', 'POST /v1/payments', '\\x00', 'started', 'EXT1_SENT', $2)",
+                           client, payment)
+        await conn.execute("INSERT INTO event (client_id, payment_id, type, data) VALUES ($1, $2, 'payment.succeeded', '{}')",
+                           client, payment)
+        tables = ("client", "payment", "idempotency_key", "event")
+        before = {t: [dict(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in tables}
+        with pytest.raises(asyncpg.ForeignKeyViolationError):  # before: a payment must name a client that exists
+            await insert_payment(conn, uuid.uuid4(), client + 1000, "order-2", "succeeded")
+    finally:
+        await conn.close()
+
+    await migrate(scratch, "0013")
+
+    conn = await asyncpg.connect(scratch)
+    try:
+        assert {t: [dict(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in tables} == before
+        # Bug caught: a foreign key into client left on a table written per
+        # operation (every partition of the key table included).
+        referencing = await conn.fetch(
+            "SELECT conrelid::regclass::text AS tab FROM pg_constraint WHERE contype = 'f' AND confrelid = 'client'::regclass"
+        )
+        assert {r["tab"] for r in referencing} == {"webhook_endpoint"}, referencing
+        # Bug caught: a client that can be deleted, now that no key stops it,
+        # leaving its payments naming nobody; or one without rows still deletable.
+        for who in (client, idle):
+            with pytest.raises(asyncpg.RestrictViolationError, match="never deleted"):
+                await conn.execute("DELETE FROM client WHERE id = $1", who)
+        assert await conn.fetchval("SELECT count(*) FROM client") == 2
+    finally:
+        await conn.close()
