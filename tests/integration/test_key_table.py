@@ -137,14 +137,24 @@ async def test_concurrent_posts_of_one_key_straddling_midnight_make_one_key_one_
     eve = today() + timedelta(days=1)
     body = payment_body()
     await key_clock.set(midnight(eve + timedelta(days=1)) - timedelta(milliseconds=1))
-    # Hold every claim of this client at its foreign-key check on `client`
-    # (made after the claim has locked, looked and inserted), so that claims
+    # Hold the first claim at its payment's insert (made after the claim has
+    # locked, looked and inserted its key row): an uncommitted payment of the
+    # same client and reference makes that insert wait to learn whether it
+    # conflicts; the other claims wait on the first's advisory lock. So claims
     # made before midnight are still uncommitted when the clock passes it and
-    # more claims of the same key arrive.
+    # more claims of the same key arrive. The blocker then rolls back: its
+    # payment never existed.
     blocker = await asyncpg.connect(database_url)
     try:
-        async with blocker.transaction():
-            await blocker.execute("SELECT 1 FROM client WHERE id = $1 FOR UPDATE", acme.id)
+        held = blocker.transaction()
+        await held.start()
+        try:
+            await blocker.execute(
+                "INSERT INTO payment (id, client_id, reference, amount_minor, currency, fee_minor, net_minor, "
+                "card_token, beneficiary_name, beneficiary_iban, status) "
+                "VALUES (gen_random_uuid(), $1, $2, 1, 'EUR', 0, 1, 'tok', 'blocker', 'x', 'processing')",
+                acme.id, body["reference"],
+            )
 
             async def post(i: int) -> httpx.Response:
                 return await http.post(stack.apis[i % 2].url + "/v1/payments", json=body, headers=headers(acme, "k-border"))
@@ -154,6 +164,8 @@ async def test_concurrent_posts_of_one_key_straddling_midnight_make_one_key_one_
             await key_clock.set(midnight(eve + timedelta(days=1)) + timedelta(milliseconds=1))
             after = [asyncio.create_task(post(i)) for i in range(6)]
             await until(lambda: waiting_on_locks(db, 12), "six more claims after midnight to be waiting")
+        finally:
+            await held.rollback()
     finally:
         await blocker.close()
     answers = await asyncio.gather(*before, *after)
