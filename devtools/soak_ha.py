@@ -161,7 +161,7 @@ class HaHooks(soak.Hooks):
         event["stalled_seconds"] = round(time.time() - event["at"], 1)
         # It woke up as the primary it was: Patroni must see the key is another's and demote it.
         woke = time.time()
-        event["direct_write_to_old_primary"] = asyncio.run(fence_probe(old.pg_port))
+        event["direct_write_to_old_primary"] = asyncio.run(fence_probe(old.pg_port, host=old.host))
         deadline = woke + 120
         while not any(m["name"] == old.name and m.get("role") != "leader" for m in self.ha.members()):
             if time.time() > deadline:
@@ -290,7 +290,7 @@ class HaHooks(soak.Hooks):
 PROBE_WRITE = "CREATE TEMP TABLE fence_probe (at timestamptz) ON COMMIT DROP"
 
 
-async def fence_probe(port: int, timeout: float = 5) -> str:
+async def fence_probe(port: int, timeout: float = 5, host: str = "127.0.0.1") -> str:
     """Right after the old primary wakes: a write straight to it, past HAProxy. What came back;
     "acknowledged" would mean a commit the service could have relied on, on a node that no longer leads.
 
@@ -302,7 +302,7 @@ async def fence_probe(port: int, timeout: float = 5) -> str:
     waits for a standby too: on a primary cut off from its standbys that exit never ends, and it held
     the primary's shutdown, and so its demotion, for as long as the cut lasted.)"""
     try:
-        conn = await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres", timeout=timeout)
+        conn = await asyncpg.connect(f"postgresql://postgres@{host}:{port}/postgres", timeout=timeout)
     except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as exc:
         return f"not acknowledged: could not connect ({type(exc).__name__})"
     try:
