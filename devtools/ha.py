@@ -231,8 +231,8 @@ class HaCluster:
         if namespace is not None:
             # Entering a namespace needs root, so root enters it and setpriv then drops to the
             # server's user; each program execs the next, so the agent's pid is Patroni's.
-            drop = ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--"] if user else []
-            argv, user = ["ip", "netns", "exec", namespace, *drop, *argv], None
+            drop = [netns.SETPRIV, f"--reuid={user}", f"--regid={user}", "--init-groups", "--"] if user else []
+            argv, user = [netns.IP, "netns", "exec", namespace, *drop, *argv], None
         agent = Process(f"patroni-{name}", argv, child_env(), self.logs / f"patroni-{name}.log", user=user,
                         grace=30)
         node = Node(name, pg_port, rest_port, directory, agent, host, namespace)

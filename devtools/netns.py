@@ -49,21 +49,31 @@ LOCK = Path("/run/lock/payments-ha-netns.lock")
 CLONE_NEWNET = 0x40000000
 
 
+def program(name: str) -> str | None:
+    """A program's path; also where root's programs live when they are not on PATH (a user's PATH)."""
+    return shutil.which(name) or next((f"{d}/{name}" for d in ("/usr/sbin", "/sbin", "/usr/bin")
+                                       if os.access(f"{d}/{name}", os.X_OK)), None)
+
+
+IP = program("ip") or "ip"
+SETPRIV = program("setpriv") or "setpriv"
+
+
 def why_not() -> str | None:
     """Why namespaces cannot be made here (not root, no iproute2, no setpriv); None if they can."""
     if os.geteuid() != 0:
         return "not root: making network namespaces and veth pairs needs CAP_SYS_ADMIN and CAP_NET_ADMIN"
-    for program, package in (("ip", "iproute2"), ("setpriv", "util-linux")):
-        if shutil.which(program) is None:
-            return f"no `{program}` on PATH (apt-get install {package})"
-    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    for name, package in (("ip", "iproute2"), ("setpriv", "util-linux")):
+        if program(name) is None:
+            return f"no `{name}` (apt-get install {package})"
+    probe = subprocess.run([IP, "netns", "list"], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"`ip netns list` failed: {probe.stderr.strip()}"
     return None
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    done = subprocess.run([IP, *args], capture_output=True, text=True, timeout=30)
     if check and done.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
     return done

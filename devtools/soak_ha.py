@@ -205,6 +205,13 @@ class HaHooks(soak.Hooks):
             self.ha.wait_healthy(120)
             event["rejoined_seconds"] = round(time.time() - event["at"], 1)
             event["rejoined_as"] = next((m.get("role") for m in self.ha.members() if m["name"] == old.name), None)
+            # Healthy counts a standby that is (re)starting as running: wait until it streams, so
+            # the last write meets the standby it has become, not a restart.
+            deadline = time.time() + 60
+            while not any(m["name"] == old.name and m.get("state") == "streaming" for m in self.ha.members()):
+                if time.time() > deadline:
+                    raise RuntimeError(f"{old.name} did not stream from the new primary within 60 s of rejoining")
+                time.sleep(0.2)  # polling Patroni's view, bounded by the deadline
             event["write_after_rejoining"] = write(10).result()
         finally:
             network.restore(old.name)
