@@ -72,7 +72,7 @@ cluster-ha: $(STAMP) $(HA_STAMP)
 # The chaos soak on the HA cluster (docs/failover.md#the-soak); non-zero exit on any violation.
 # Two primaries killed, a switchover, a stall past the TTL and, as root with iproute2's `ip`, a
 # partition (each node in a network namespace of its own, the primary's link cut and restored;
-# without them it says so and skips it): about 8 minutes. PAYMENTS and SECONDS
+# without them it says so and skips it): about 7 minutes. PAYMENTS and SECONDS
 # are shared with `make soak`: here they default to 450 and 180 (the failovers need the time).
 # SHORT=1: one primary kill, one switchover and the partition, 150 payments over 60 s: about 4
 # minutes (CI's).
