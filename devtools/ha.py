@@ -21,6 +21,10 @@ explains the design; this module starts it:
 
 `HaCluster` starts all of it in a directory of its own, and knows how to
 find the leader, switch over, and kill or freeze a node (for the soak).
+Everything listens on 127.0.0.1, unless `namespaces=True`: then each node
+runs in a network namespace of its own on a private bridge
+(devtools/netns.py), etcd and HAProxy listen on the bridge's address, and
+the soak can cut a node's link (a real partition).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from typing import Any
 
 import httpx
 
-from devtools import embedded_db
+from devtools import embedded_db, netns
 from devtools.processes import Process, child_env, free_port
 
 SCOPE = "payments-ha"
@@ -67,6 +71,8 @@ class Node:
     rest_port: int
     directory: Path
     agent: Process
+    host: str = "127.0.0.1"  # its address: loopback, or its own in its namespace
+    namespace: str | None = None
 
     @property
     def data_dir(self) -> Path:
@@ -74,7 +80,7 @@ class Node:
 
     @property
     def rest(self) -> str:
-        return f"http://127.0.0.1:{self.rest_port}"
+        return f"http://{self.host}:{self.rest_port}"
 
     def postgres_pids(self) -> list[int]:
         """The postmaster and every process it started (backends, walsenders); [] if it is not running."""
@@ -123,7 +129,7 @@ class HaCluster:
     """etcd, three Patroni nodes and HAProxy, in `root`; stopped together, in reverse."""
 
     def __init__(self, root: Path, *, base_port: int = 0, nodes: int = 3, logs: Path | None = None,
-                 synchronous: bool = True) -> None:
+                 synchronous: bool = True, namespaces: bool = False) -> None:
         self.root = root  # made anew by start: nothing else may live there
         # False only to measure what asynchronous replication loses (make soak-ha ASYNC=1, a report).
         self.synchronous = synchronous
@@ -133,12 +139,16 @@ class HaCluster:
         self.node_ports = [(ports.next(), ports.next()) for _ in range(nodes)]  # (postgres, REST)
         self.haproxy_port, self.stats_port = ports.next(), ports.next()
         self.programs = find_programs() or {}
+        # Each node in a namespace of its own, so that its link can be cut (the soak's partition).
+        self.network = netns.Network([f"pg{n}" for n in range(1, nodes + 1)]) if namespaces else None
+        self.etcd_host = self.network.gateway if self.network else "127.0.0.1"
         self.etcd: list[Process] = []
         self.nodes: list[Node] = []
         self.haproxy: Process | None = None
         self.user = embedded_db.run_as()
         self._exit = ExitStack()
         self.http = httpx.Client(timeout=2)
+        self._answered: Node | None = None  # the agent that last answered members(): asked first next time
 
     @property
     def url(self) -> str:
@@ -151,7 +161,7 @@ class HaCluster:
 
     @property
     def etcd_hosts(self) -> str:
-        return ",".join(f"127.0.0.1:{client}" for client, _ in self.etcd_ports)
+        return ",".join(f"{self.etcd_host}:{client}" for client, _ in self.etcd_ports)
 
     # -- starting -------------------------------------------------------------
 
@@ -161,6 +171,10 @@ class HaCluster:
                 shutil.rmtree(self.root)
             self.root.mkdir(parents=True)
             self.logs.mkdir(parents=True, exist_ok=True)
+            if self.network is not None:
+                # First in, so last out: removed once every process inside has stopped.
+                self._exit.callback(self.network.down)
+                self.network.up()
             self._start_etcd()
             for n, (pg_port, rest_port) in enumerate(self.node_ports, 1):
                 self.nodes.append(self._start_node(f"pg{n}", pg_port, rest_port))
@@ -173,13 +187,14 @@ class HaCluster:
         return self
 
     def _start_etcd(self) -> None:
-        peers = ",".join(f"e{n}=http://127.0.0.1:{peer}" for n, (_, peer) in enumerate(self.etcd_ports, 1))
+        host = self.etcd_host
+        peers = ",".join(f"e{n}=http://{host}:{peer}" for n, (_, peer) in enumerate(self.etcd_ports, 1))
         for n, (client, peer) in enumerate(self.etcd_ports, 1):
             argv = [self.programs["etcd"], "--name", f"e{n}", "--data-dir", str(self.root / f"etcd{n}"),
-                    "--listen-client-urls", f"http://127.0.0.1:{client}",
-                    "--advertise-client-urls", f"http://127.0.0.1:{client}",
-                    "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                    "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                    "--listen-client-urls", f"http://{host}:{client}",
+                    "--advertise-client-urls", f"http://{host}:{client}",
+                    "--listen-peer-urls", f"http://{host}:{peer}",
+                    "--initial-advertise-peer-urls", f"http://{host}:{peer}",
                     "--initial-cluster", peers, "--initial-cluster-state", "new",
                     "--initial-cluster-token", SCOPE,
                     # Five times etcd's defaults: on a busy two-CPU machine a missed 100 ms
@@ -193,7 +208,7 @@ class HaCluster:
 
     def _etcd_healthy(self, port: int) -> bool:
         try:
-            return self.http.get(f"http://127.0.0.1:{port}/health").json().get("health") == "true"
+            return self.http.get(f"http://{self.etcd_host}:{port}/health").json().get("health") == "true"
         except (httpx.HTTPError, ValueError):
             return False
 
@@ -206,26 +221,34 @@ class HaCluster:
             embedded_db.ensure_reachable(directory)
             pw = pwd.getpwnam(self.user)
             os.chown(directory, pw.pw_uid, pw.pw_gid)
+        host = self.network.addresses[name] if self.network else "127.0.0.1"
         config = directory / "patroni.json"  # JSON is YAML: Patroni reads it as its configuration file
-        config.write_text(json.dumps(self.patroni_config(name, directory, pg_port, rest_port), indent=2))
+        config.write_text(json.dumps(self.patroni_config(name, directory, pg_port, rest_port, host), indent=2))
         # Patroni's own agent runs without our virtualenv's environment; it
         # finds its libraries by its interpreter, and PostgreSQL by bin_dir.
-        argv = [str(PATRONI_VENV / "bin" / "patroni"), str(config)]
-        agent = Process(f"patroni-{name}", argv, child_env(), self.logs / f"patroni-{name}.log", user=self.user,
+        argv, user = [str(PATRONI_VENV / "bin" / "patroni"), str(config)], self.user
+        namespace = self.network.namespace(name) if self.network else None
+        if namespace is not None:
+            # Entering a namespace needs root, so root enters it and setpriv then drops to the
+            # server's user; each program execs the next, so the agent's pid is Patroni's.
+            drop = [netns.SETPRIV, f"--reuid={user}", f"--regid={user}", "--init-groups", "--"] if user else []
+            argv, user = [netns.IP, "netns", "exec", namespace, *drop, *argv], None
+        agent = Process(f"patroni-{name}", argv, child_env(), self.logs / f"patroni-{name}.log", user=user,
                         grace=30)
-        node = Node(name, pg_port, rest_port, directory, agent)
+        node = Node(name, pg_port, rest_port, directory, agent, host, namespace)
         self._spawn(agent)
         # A node whose agent was killed leaves its PostgreSQL behind: stop it too.
         self._exit.callback(self._kill_postgres, node)
         return node
 
-    def patroni_config(self, name: str, directory: Path, pg_port: int, rest_port: int) -> dict[str, Any]:
+    def patroni_config(self, name: str, directory: Path, pg_port: int, rest_port: int,
+                       host: str = "127.0.0.1") -> dict[str, Any]:
         """One node's Patroni configuration (docs/failover.md#what-patroni-decides)."""
         return {
             "scope": SCOPE,
             "name": name,
             "log": {"level": "INFO"},
-            "restapi": {"listen": f"127.0.0.1:{rest_port}", "connect_address": f"127.0.0.1:{rest_port}"},
+            "restapi": {"listen": f"{host}:{rest_port}", "connect_address": f"{host}:{rest_port}"},
             "etcd3": {"hosts": self.etcd_hosts},
             "bootstrap": {
                 "dcs": {
@@ -258,8 +281,8 @@ class HaCluster:
                 "initdb": [{"encoding": "UTF8"}, {"auth": "trust"}],
             },
             "postgresql": {
-                "listen": f"127.0.0.1:{pg_port}",
-                "connect_address": f"127.0.0.1:{pg_port}",
+                "listen": f"{host}:{pg_port}",
+                "connect_address": f"{host}:{pg_port}",
                 "data_dir": str(directory / "data"),
                 "bin_dir": str(embedded_db.POSTGRES_BIN_PATH),
                 "pgpass": str(directory / "pgpass"),
@@ -271,16 +294,22 @@ class HaCluster:
                     "replication": {"username": "replicator", "password": "replicator"},
                 },
                 "parameters": {"unix_socket_directories": str(directory)},
-                # Loopback only, trusted, as the embedded server is (devtools/embedded_db.py).
-                "pg_hba": ["local all all trust", "host all all 127.0.0.1/32 trust",
-                           "host replication replicator 127.0.0.1/32 trust"],
+                # Loopback (or the namespaces' private bridge) only, trusted, as the embedded
+                # server is (devtools/embedded_db.py).
+                "pg_hba": ["local all all trust", f"host all all {self.trusted} trust",
+                           f"host replication replicator {self.trusted} trust"],
             },
         }
+
+    @property
+    def trusted(self) -> str:
+        """The addresses the nodes take connections from: loopback, or the bridge's subnet."""
+        return self.network.subnet if self.network else "127.0.0.1/32"
 
     def _start_haproxy(self) -> None:
         config = self.root / "haproxy.cfg"
         servers = "\n".join(
-            f"    server {node.name} 127.0.0.1:{node.pg_port} maxconn {MAX_CONNECTIONS} check port {node.rest_port}"
+            f"    server {node.name} {node.host}:{node.pg_port} maxconn {MAX_CONNECTIONS} check port {node.rest_port}"
             for node in self.nodes)
         config.write_text(f"""\
 # Written by devtools/ha.py on every start (docs/failover.md#topology).
@@ -322,11 +351,14 @@ listen stats
 
     def members(self) -> list[dict[str, Any]]:
         """Patroni's view of the cluster (GET /cluster) from the first agent that answers; [] if none does."""
-        for node in self.nodes:
+        # The last to answer first: a node cut off would cost each call a timeout.
+        for node in sorted(self.nodes, key=lambda n: n is not self._answered):
             try:
-                return self.http.get(node.rest + "/cluster", timeout=1).json().get("members", [])
+                members = self.http.get(node.rest + "/cluster", timeout=1).json().get("members", [])
             except (httpx.HTTPError, ValueError):
                 continue
+            self._answered = node
+            return members
         return []
 
     def leader(self) -> Node | None:

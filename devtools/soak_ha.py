@@ -1,7 +1,7 @@
 """Development tooling, not the payment path: `make soak-ha`, the chaos soak on a database that fails over.
 
     python -m devtools.soak_ha --seed 1 --payments 450 --seconds 180 --kills 2
-    python -m devtools.soak_ha --short            # what CI runs: one kill, one switchover
+    python -m devtools.soak_ha --short            # what CI runs: one kill, one switchover, a partition
 
 The soak of `make soak` (devtools/soak.py: calm run, chaos run, calm phase,
 the three-way audit), with our database on the HA cluster of devtools/ha.py
@@ -22,7 +22,16 @@ finished before the next starts:
   believing it leads, and must not take a write the service relies on:
   the moment it wakes, a write is sent straight to it (past HAProxy), and
   an acknowledged commit there fails the run, as does a failover that did
-  not complete.
+  not complete;
+- `partition_primary` (only where network namespaces can be made: as
+  root, with iproute2; said loudly where not): the cluster
+  then runs with each node in a network namespace of its own
+  (devtools/netns.py), and the primary's link is cut: Patroni elects a new
+  primary once the leader key expires, and the old one's agent, unable to
+  reach etcd, demotes it. From inside its namespace a write is sent to it
+  the moment it is cut, again once it is demoted, again the moment its
+  link is restored, and again once it has rejoined as a standby, which it
+  must; an acknowledged one fails the run.
 
 The audit adds, to the soak's checks: every final answer a client got is
 asked again at the end and must come back byte for byte; every PSP charge
@@ -43,20 +52,23 @@ import shutil
 import signal
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
 from rich.console import Console
 
-from devtools import embedded_db, soak
+from devtools import embedded_db, netns, soak
 from devtools.ha import INSTALL_HINT, TTL, HaCluster, find_programs
 from devtools.processes import child_env, free_port
 from devtools.system import System
 
-FAILOVERS = ("kill_primary", "switchover", "stall_primary")
-SHORT = {"payments": 150, "seconds": 60, "kills": 1, "stall": False}
+FAILOVERS = ("kill_primary", "switchover", "stall_primary", "partition_primary")
+# CI's short run keeps the partition: what it adds to the run is measured in docs/failover.md#figures.
+SHORT = {"payments": 150, "seconds": 60, "kills": 1, "stall": False, "partition": True}
 
 
 class HaChaos(soak.Chaos):
@@ -72,9 +84,12 @@ class HaHooks(soak.Hooks):
     ask_again = True
 
     def __init__(self, plan: list[str], console: Console, command: str, base_port: int = 0,
-                 lag: float = 0) -> None:
+                 lag: float = 0, partition_skipped: str | None = None) -> None:
         self.plan, self.console, self.command, self.base_port = plan, console, command, base_port
         self.lag = lag  # > 0: asynchronous replication, every standby held this far behind before each kill
+        # A partition needs each node in a namespace of its own; why it could not be run, if it could not.
+        self.namespaces = "partition_primary" in plan
+        self.partition_skipped = partition_skipped
         self.ha: HaCluster  # made by start_cluster
         self.events: list[dict[str, Any]] = []
 
@@ -147,7 +162,7 @@ class HaHooks(soak.Hooks):
         event["stalled_seconds"] = round(time.time() - event["at"], 1)
         # It woke up as the primary it was: Patroni must see the key is another's and demote it.
         woke = time.time()
-        event["direct_write_to_old_primary"] = asyncio.run(fence_probe(old.pg_port))
+        event["direct_write_to_old_primary"] = asyncio.run(fence_probe(old.pg_port, host=old.host))
         deadline = woke + 120
         while not any(m["name"] == old.name and m.get("role") != "leader" for m in self.ha.members()):
             if time.time() > deadline:
@@ -156,6 +171,56 @@ class HaHooks(soak.Hooks):
         event["demoted_seconds_after_waking"] = round(time.time() - woke, 1)
         self.ha.wait_healthy(120)
         event["rejoined_seconds"] = round(time.time() - event["at"], 1)
+
+    def partition_primary(self, event: dict[str, Any]) -> None:
+        network = self.ha.network
+        assert network is not None, "a partition needs the cluster in namespaces"
+        old = self._leader()
+        inside = network.inside(old.name, workers=3)  # what the old primary's own processes can reach
+        seen: list[dict[str, Any]] = []
+        watching = threading.Event()
+
+        def write(timeout: float) -> Any:
+            return inside.submit(asyncio.run, watched_write(old.host, old.pg_port, timeout))
+
+        try:
+            inside.submit(watch_agent, old.rest, seen, watching)
+            event["at"] = time.time()
+            network.cut(old.name)
+            event["node"] = old.name
+            # Sent the moment it is cut, while it still runs as primary and lists a synchronous
+            # standby it can no longer reach: its commit has nobody to wait for.
+            while_cut = write(TTL + 30)
+            self._routed_elsewhere(old.name, event, TTL + 60)
+            deadline = time.time() + TTL + 60
+            while not (demoted := [s for s in seen[1:] if (s["role"], s["state"]) != ("primary", "running")]):
+                if time.time() > deadline:
+                    raise RuntimeError(f"{old.name}, cut off, still ran as primary {TTL + 60} s after the cut")
+                time.sleep(0.2)  # polling the agent's own view (from inside its namespace), bounded
+            event["demoted_seconds"] = demoted[0]["seconds"]
+            event["write_while_cut"] = while_cut.result(timeout=TTL + 60)
+            event["write_once_demoted"] = write(10).result()
+            network.restore(old.name)
+            event["cut_seconds"] = round(time.time() - event["at"], 1)
+            event["write_after_restore"] = write(10).result()
+            self.ha.wait_healthy(120)
+            # Healthy counts the old primary as running once its agent has started it read-only, before
+            # it has rewound it and started it again as a standby: wait until it streams, so the figure
+            # and the last write are of the standby it has become.
+            deadline = time.time() + 120
+            while not any(m["name"] == old.name and m.get("state") == "streaming" for m in self.ha.members()):
+                if time.time() > deadline:
+                    raise RuntimeError(f"{old.name} did not stream from the new primary within 120 s")
+                time.sleep(0.2)  # polling Patroni's view, bounded by the deadline
+            event["rejoined_seconds"] = round(time.time() - event["at"], 1)
+            event["rejoined_as"] = next((m.get("role") for m in self.ha.members() if m["name"] == old.name), None)
+            event["write_after_rejoining"] = write(10).result()
+        finally:
+            network.restore(old.name)
+            watching.set()
+            inside.shutdown(wait=True)
+            event["old_primary_by_its_agent"] = " -> ".join(f"{s['seconds']} s {s['role']}/{s['state']}"
+                                                            for s in seen)
 
     def _leader(self) -> Any:
         self.ha.wait_healthy(120)
@@ -185,9 +250,14 @@ class HaHooks(soak.Hooks):
                 report.violate("failover_completed", None, action=event["action"], error=event["failed"])
             if event.get("direct_write_to_old_primary") == "acknowledged":
                 report.violate("old_primary_fenced", None, node=event["node"])
+            for probe in PARTITION_PROBES:
+                if event.get(probe, {}).get("outcome") == "acknowledged":
+                    report.violate("old_primary_fenced", None, node=event["node"], probe=probe)
 
     async def everything_up(self, cluster: soak.Cluster) -> None:
         await soak.everything_up(cluster)
+        if self.ha.network is not None:
+            await asyncio.to_thread(self.ha.network.restore_all)
         for node in self.ha.nodes:
             node.signal_all(signal.SIGCONT)
             if not node.agent.running:
@@ -214,25 +284,38 @@ class HaHooks(soak.Hooks):
                 "routed_max_seconds": max(routed) if routed else None,
             }
         fence = [e["direct_write_to_old_primary"] for e in self.events if "direct_write_to_old_primary" in e]
-        return {"command": self.command, "failovers": self.events, "old_primary_fenced": fence, "failover_recovery": recovery,
+        partitions = [{k: e.get(k) for k in ("node", "demoted_seconds", *PARTITION_PROBES, "old_primary_by_its_agent",
+                                             "rejoined_as", "rejoined_seconds")}
+                      for e in self.events if e["action"] == "partition_primary"]
+        return {"command": self.command, "failovers": self.events, "old_primary_fenced": fence,
+                "partition": partitions, "partition_skipped": self.partition_skipped,
+                "network": ("each node in a network namespace of its own on a bridge, "
+                            f"{self.ha.network.subnet}" if self.ha.network else "loopback"),
+                "failover_recovery": recovery,
                 "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}",
                 "patroni": {"ttl": TTL, "synchronous_mode": True, "synchronous_mode_strict": True}}
 
 
-async def fence_probe(port: int, timeout: float = 5) -> str:
+PROBE_WRITE = "CREATE TEMP TABLE fence_probe (at timestamptz) ON COMMIT DROP"
+
+
+async def fence_probe(port: int, timeout: float = 5, host: str = "127.0.0.1") -> str:
     """Right after the old primary wakes: a write straight to it, past HAProxy. What came back;
     "acknowledged" would mean a commit the service could have relied on, on a node that no longer leads.
 
     The write must be one whose commit waits for a synchronous standby: a transaction that wrote WAL
     before its commit record. (`SELECT txid_current()` alone does not: PostgreSQL commits a transaction
     that wrote nothing but its commit record asynchronously, and an earlier probe was fooled by it.)
-    Creating a temporary table writes the catalogs' WAL, and leaves nothing behind."""
+    Creating a temporary table writes the catalogs' WAL; ON COMMIT DROP, so the session leaves no
+    table behind. (One left behind is dropped when the backend exits, in a transaction whose commit
+    waits for a standby too: on a primary cut off from its standbys that exit never ends, and it held
+    the primary's shutdown, and so its demotion, for as long as the cut lasted.)"""
     try:
-        conn = await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres", timeout=timeout)
+        conn = await asyncpg.connect(f"postgresql://postgres@{host}:{port}/postgres", timeout=timeout)
     except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as exc:
         return f"not acknowledged: could not connect ({type(exc).__name__})"
     try:
-        await conn.execute("CREATE TEMP TABLE fence_probe (at timestamptz)", timeout=timeout)
+        await conn.execute(PROBE_WRITE, timeout=timeout)
         return "acknowledged"
     except asyncio.TimeoutError:
         return f"not acknowledged: the commit waited {timeout:g} s for a synchronous standby (none follows it)"
@@ -240,6 +323,72 @@ async def fence_probe(port: int, timeout: float = 5) -> str:
         return f"not acknowledged: {type(exc).__name__}"
     finally:
         conn.terminate()
+
+
+PARTITION_PROBES = ("write_while_cut", "write_once_demoted", "write_after_restore", "write_after_rejoining")
+
+
+async def watched_write(host: str, port: int, timeout: float) -> dict[str, Any]:
+    """fence_probe's write, sent from wherever the caller runs (inside the old primary's namespace),
+    with what its backend waited on (pg_stat_activity, asked on a second connection) and how it ended:
+    a commit that waits on `SyncRep` is one the primary cannot complete without a standby."""
+    url = f"postgresql://postgres@{host}:{port}/postgres"
+    started = time.monotonic()
+    waited_on: set[str] = set()
+
+    def result(outcome: str) -> dict[str, Any]:
+        return {"outcome": outcome, "seconds": round(time.monotonic() - started, 1), "waited_on": sorted(waited_on)}
+
+    try:
+        conn = await asyncpg.connect(url, timeout=5)
+    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as exc:
+        return result(f"not acknowledged: could not connect ({type(exc).__name__})")
+
+    async def watch() -> None:
+        try:
+            other = await asyncpg.connect(url, timeout=5)
+        except (OSError, asyncpg.PostgresError, asyncio.TimeoutError):
+            return
+        try:
+            while True:
+                event = await other.fetchval("SELECT wait_event FROM pg_stat_activity WHERE pid = $1",
+                                             conn.get_server_pid())
+                if event:
+                    waited_on.add(event)
+                await asyncio.sleep(0.2)  # sampling what the write waits on, for the report; ends with it
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            return
+        finally:
+            other.terminate()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await conn.execute(PROBE_WRITE, timeout=timeout)
+        return result("acknowledged")
+    except asyncio.TimeoutError:
+        return result(f"not acknowledged: no answer within {timeout:g} s")
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        return result(f"not acknowledged: {type(exc).__name__}")
+    finally:
+        watcher.cancel()
+        conn.terminate()
+
+
+def watch_agent(rest: str, seen: list[dict[str, Any]], done: threading.Event) -> None:
+    """The node's role and state as its own Patroni reports them (GET /patroni), each change with the
+    seconds since the watch began, appended to `seen` until `done`; an agent that does not answer is
+    recorded as such."""
+    started = time.monotonic()
+    with httpx.Client(timeout=1) as http:
+        while not done.is_set():
+            try:
+                body = http.get(rest + "/patroni").json()
+                now = {"role": body.get("role", "?"), "state": body.get("state", "?")}
+            except (httpx.HTTPError, ValueError):
+                now = {"role": "no answer", "state": "-"}
+            if not seen or (seen[-1]["role"], seen[-1]["state"]) != (now["role"], now["state"]):
+                seen.append({"seconds": round(time.monotonic() - started, 1), **now})
+            done.wait(0.2)  # sampling its view for the report, until the partition is over
 
 
 def start_cluster(hooks: HaHooks) -> Any:
@@ -251,7 +400,7 @@ def start_cluster(hooks: HaHooks) -> Any:
         root = Path(tempfile.mkdtemp(prefix="payments-soak-ha-"))
         system.defer(shutil.rmtree, root, True)
         ha = hooks.ha = HaCluster(root / "ha", base_port=hooks.base_port, logs=results / "logs" / "ha",
-                                  synchronous=not hooks.lag)
+                                  synchronous=not hooks.lag, namespaces=hooks.namespaces)
         try:
             with console.status("starting etcd, three PostgreSQL nodes under Patroni, and HAProxy"):
                 ha.start()
@@ -279,8 +428,20 @@ def start_cluster(hooks: HaHooks) -> Any:
 
 
 def print_failovers(console: Console, figures: dict[str, Any]) -> None:
+    console.print(f"network: {figures['network']}")
+    if figures["partition_skipped"]:
+        console.print(f"[bold red]PARTITION NOT RUN: {figures['partition_skipped']}[/]")
     for outcome in figures["old_primary_fenced"]:
         console.print(f"stalled primary, woken, written to directly: {outcome}")
+    for p in figures["partition"]:
+        console.print(f"partitioned primary {p['node']}, by its own agent: {p['old_primary_by_its_agent']}")
+        for probe in PARTITION_PROBES:
+            if p.get(probe):
+                w = p[probe]
+                waited = f", waited on {', '.join(w['waited_on'])}" if w["waited_on"] else ""
+                console.print(f"  {probe.replace('_', ' ')} (from inside its namespace): {w['outcome']} after "
+                              f"{w['seconds']} s{waited}")
+        console.print(f"  streaming again, as {p['rejoined_as']}, {p['rejoined_seconds']} s after the cut")
     for action, r in figures["failover_recovery"].items():
         if r["count"]:
             console.print(f"{action} x{r['count']}: new primary routed in median {r['routed_median_seconds']} s, "
@@ -293,9 +454,11 @@ def main() -> None:
     parser = soak.arguments("python -m devtools.soak_ha", __doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=2, help="primaries killed (SIGKILL), default 2")
     parser.add_argument("--no-stall", action="store_true", help="leave out the SIGSTOP stall past the TTL")
+    parser.add_argument("--no-partition", action="store_true",
+                        help="leave out the partition (and the namespaces it needs)")
     parser.add_argument("--short", action="store_true",
                         help=f"CI's: {SHORT['payments']} payments over {SHORT['seconds']} s per run, one kill, "
-                             "one switchover, no stall")
+                             "one switchover, a partition where namespaces can be made, no stall")
     parser.add_argument("--async-lag", type=float, default=0, metavar="SECONDS",
                         help="asynchronous replication, the standbys held SECONDS behind before each kill, no "
                              "switchover or stall: what it loses (a report: exit 0 whatever the audit finds)")
@@ -307,19 +470,29 @@ def main() -> None:
     if args.short:
         args.payments, args.seconds, args.kills, args.no_stall = (
             SHORT["payments"], SHORT["seconds"], SHORT["kills"], not SHORT["stall"])
+        args.no_partition = args.no_partition or not SHORT["partition"]
     console = Console(width=120)
     if find_programs() is None:
         console.print(f"[red]{INSTALL_HINT}[/]")
         raise SystemExit(2)
     plan = ["kill_primary", "switchover"] + (["stall_primary"] if not args.no_stall else [])
+    partition_skipped = None
+    if not args.no_partition and not args.async_lag:
+        partition_skipped = netns.why_not()
+        if partition_skipped is None:
+            plan.append("partition_primary")
+        else:
+            partition_skipped = f"network namespaces cannot be made here ({partition_skipped}): no partition"
+            console.print(f"[bold red]PARTITION NOT RUN: {partition_skipped}[/]")
     plan += ["kill_primary"] * (args.kills - 1)
     if args.async_lag:
         plan = ["kill_primary"] * args.kills
     args_text = ("--short" if args.short else f"--payments {args.payments} --seconds {args.seconds:g} "
                  f"--kills {args.kills}" + (" --no-stall" if args.no_stall else "")
+                 + (" --no-partition" if args.no_partition else "")
                  + (f" --async-lag {args.async_lag:g}" if args.async_lag else ""))
     command = f"python -m devtools.soak_ha --seed {args.seed} --replicas {args.replicas} {args_text}"
-    hooks = HaHooks(plan, console, command, args.base_port, args.async_lag)
+    hooks = HaHooks(plan, console, command, args.base_port, args.async_lag, partition_skipped)
     try:
         soak.run(args, console, start_cluster(hooks), hooks, print_failovers)
     except SystemExit as exit:
