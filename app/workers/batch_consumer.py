@@ -132,12 +132,28 @@ async def complete_loop(services: Services, stop: asyncio.Event) -> None:
         await pause(stop, COMPLETE_EVERY_SECONDS)
 
 
+async def streams_ready(js, replicas: int, stop: asyncio.Event) -> bool:
+    """The streams made (or found), retried until they are: a cluster still electing its leader
+    answers "unavailable" for a few seconds, and a consumer started then must wait, not exit."""
+    failures = 0
+    while not stop.is_set():
+        try:
+            await jetstream.ensure_streams(js, replicas=replicas)
+            return True
+        except Exception as exc:
+            failures += 1
+            log.warning("the broker cannot set up the batch streams yet (%s); trying again", describe(exc))
+            await pause(stop, outage_backoff(failures, 0.2, 5.0))
+    return False
+
+
 async def run(settings: Settings, stop: asyncio.Event) -> None:
     async with open_services(settings) as services:
         nc = await jetstream.connect(settings.nats_url, "payments-consume")
         try:
             js = nc.jetstream()
-            await jetstream.ensure_streams(js)
+            if not await streams_ready(js, settings.batch_stream_replicas, stop):
+                return
             log.info("%s: paying batch rows from %s, publishing the batch outbox", CONSUMER_STARTED, settings.nats_url)
             await asyncio.gather(consume_loop(services, js, stop), publish_loop(services, js, stop),
                                  complete_loop(services, stop))

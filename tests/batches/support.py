@@ -76,3 +76,18 @@ def _date():
 def each_once(counts: dict) -> bool:
     return all(v == (1, 1, 1) for v in counts.values())
 
+
+
+@pytest.fixture
+async def nats_cluster(processes, tmp_path):
+    """Three NATS servers of the test's own as one JetStream cluster; its consumers get every node's URL."""
+    return processes.system.start_nats_cluster(tmp_path / "nats-cluster", 3)
+
+
+async def stream_leader(cluster) -> str:
+    """The name of the node that leads the rows' stream (its replicas follow it)."""
+    nc = await jetstream.connect(cluster.url, "test")
+    try:
+        return (await nc.jetstream().stream_info(jetstream.STREAM)).cluster.leader
+    finally:
+        await nc.close()
