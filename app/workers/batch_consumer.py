@@ -76,8 +76,11 @@ async def handle(services: Services, js, msg) -> Verdict | None:
 
 async def consume_loop(services: Services, js, stop: asyncio.Event) -> None:
     settings = services.settings
-    sub = await jetstream.subscribe(js, ack_wait=settings.batch_ack_wait_seconds,
-                                    max_ack_pending=max(1000, settings.batch_consumer_concurrency * 4))
+    sub = await until_answered(stop, "bind to the durable consumer", lambda: jetstream.subscribe(
+        js, ack_wait=settings.batch_ack_wait_seconds,
+        max_ack_pending=max(1000, settings.batch_consumer_concurrency * 4)))
+    if sub is None:
+        return
     slots = asyncio.Semaphore(settings.batch_consumer_concurrency)
     tasks: set[asyncio.Task] = set()
     failures = 0
@@ -132,19 +135,22 @@ async def complete_loop(services: Services, stop: asyncio.Event) -> None:
         await pause(stop, COMPLETE_EVERY_SECONDS)
 
 
-async def streams_ready(js, replicas: int, stop: asyncio.Event) -> bool:
-    """The streams made (or found), retried until they are: a cluster still electing its leader
-    answers "unavailable" for a few seconds, and a consumer started then must wait, not exit."""
+async def until_answered(stop: asyncio.Event, what: str, request):
+    """`request()`'s answer, asked again until the broker gives one (None if stopped first).
+
+    A cluster electing a leader (at its start, or after a node's death)
+    answers "unavailable" or not at all for a few seconds; a consumer that
+    asks then must wait and ask again, never exit.
+    """
     failures = 0
     while not stop.is_set():
         try:
-            await jetstream.ensure_streams(js, replicas=replicas)
-            return True
+            return await request()
         except Exception as exc:
             failures += 1
-            log.warning("the broker cannot set up the batch streams yet (%s); trying again", describe(exc))
+            log.warning("the broker could not %s yet (%s); asking again", what, describe(exc))
             await pause(stop, outage_backoff(failures, 0.2, 5.0))
-    return False
+    return None
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
@@ -152,7 +158,9 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         nc = await jetstream.connect(settings.nats_url, "payments-consume")
         try:
             js = nc.jetstream()
-            if not await streams_ready(js, settings.batch_stream_replicas, stop):
+            replicas = settings.batch_stream_replicas
+            await until_answered(stop, "set up the batch streams", lambda: jetstream.ensure_streams(js, replicas=replicas))
+            if stop.is_set():
                 return
             log.info("%s: paying batch rows from %s, publishing the batch outbox", CONSUMER_STARTED, settings.nats_url)
             await asyncio.gather(consume_loop(services, js, stop), publish_loop(services, js, stop),
