@@ -3,7 +3,7 @@
 #   make test   run the test suite against real PostgreSQL and real processes
 # With nginx and its JavaScript module installed (apt-get install nginx libnginx-mod-http-js), docs/chaos.md:
 #   make cluster REPLICAS=3   the system with N API replicas and two workers behind nginx
-#   make soak                 a seeded chaos run through nginx, audited three ways
+#   make soak                 a seeded chaos run through nginx, with payment batches over three NATS nodes, audited three ways
 # With etcd and HAProxy too (apt-get install etcd-server haproxy), docs/failover.md:
 #   make cluster-ha           the same on three PostgreSQL nodes under Patroni that fail over by themselves
 #   make soak-ha              the soak, killing, freezing and switching over the primary
@@ -40,13 +40,18 @@ cluster: $(STAMP)
 	$(NGINX_CHECK)
 	$(BIN)/python -m devtools.cluster --replicas $(REPLICAS)
 
-# A seeded chaos run (docs/chaos.md); non-zero exit on any violation.
+# A seeded chaos run (docs/chaos.md); non-zero exit on any violation. With payment batches over a
+# three-node NATS cluster by default: BATCH_FILES files of BATCH_ROWS rows per run (3 and 60;
+# BATCH_ROWS=0: none, and no NATS).
 SEED     ?= 1
 PAYMENTS ?= 300
 SECONDS  ?= 60
+SOAK_BATCHES = $(if $(filter command line environment,$(origin BATCH_ROWS)),--batch-rows $(BATCH_ROWS)) \
+	$(if $(BATCH_FILES),--batch-files $(BATCH_FILES))
 soak: $(STAMP)
 	$(NGINX_CHECK)
-	$(BIN)/python -m devtools.soak --seed $(SEED) --payments $(PAYMENTS) --seconds $(SECONDS) --replicas $(REPLICAS)
+	$(BIN)/python -m devtools.soak --seed $(SEED) --payments $(PAYMENTS) --seconds $(SECONDS) --replicas $(REPLICAS) \
+	  $(SOAK_BATCHES)
 
 # The HA cluster's programs (docs/failover.md): etcd and HAProxy from the distribution, Patroni from
 # PyPI in a virtualenv of its own (requirements-ha.txt), so make install and make test never need it.
