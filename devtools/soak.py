@@ -36,6 +36,16 @@ A share of the payments are declines (tok_decline), rejected payouts (the
 rail's reject fault, by reference) and payouts to a legacy account
 (GB82WEST12345698765432, in RAIL_LEGACY_ACCOUNTS and the rail's
 --legacy-accounts), so every path of a payment meets the chaos.
+
+Payment batches (--batch-rows, on by default): the system also runs a
+three-node NATS JetStream cluster and two `payments consume`; each run
+uploads --batch-files CSV files through nginx (rows with the same mix), the
+chaos run the calm run's first file again under a new key, and the chaos
+adds kill_broker and kill_consumer, each struck while rows are being paid.
+The drain waits for the rows too, and the audit judges each row as a
+payment and each batch as a batch (docs/batches.md#the-soak-batches-beside-the-payments-a-broker-node-killed).
+A soak that starts no broker (soak_ha's) uploads no batches and takes
+neither action.
 """
 
 from __future__ import annotations
