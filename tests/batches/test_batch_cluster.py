@@ -12,7 +12,7 @@ import uuid
 
 from app.broker import jetstream
 from tests.batches.support import (  # noqa: F401  (nats_cluster: a fixture)
-    charges_per_row, completed, consumer, csv_file, each_once, nats_cluster, stream_leader, upload,
+    charges_per_row, cluster_answer, completed, consumer, csv_file, each_once, nats_cluster, stream_leader, upload,
 )
 from tests.support import unbalanced_payments, until
 
@@ -55,14 +55,20 @@ async def test_the_streams_are_replicated_on_every_node_of_the_cluster(http, sta
     # Would catch: BATCH_STREAM_REPLICAS not reaching the consumer, or ensure_streams ignoring it
     # (a stream on one node of three: its node's death is the stream's).
     consumer(processes)
-    nc = await jetstream.connect(nats_cluster.url, "test")
-    try:
-        js = nc.jetstream()
-        for name in (jetstream.STREAM, jetstream.DEAD_STREAM):
-            info = await js.stream_info(name)
-            assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2, info
-        # The durable consumer (its acknowledgements) inherits the stream's three replicas.
-        durable = await js.consumer_info(jetstream.STREAM, jetstream.DURABLE)
-        assert len(durable.cluster.replicas) == 2, durable
-    finally:
-        await nc.close()
+    for name in (jetstream.STREAM, jetstream.DEAD_STREAM):
+        info = await cluster_answer(nats_cluster, lambda js, n=name: js.stream_info(n), f"stream {name}")
+        assert info.config.num_replicas == 3, info
+
+        async def peers(js, n=name):
+            info = await js.stream_info(n)
+            return info.cluster.replicas if info.cluster and info.cluster.replicas else None
+
+        assert len(await cluster_answer(nats_cluster, peers, f"{name}'s replicas")) == 2
+
+    # The durable consumer (its acknowledgements) inherits the stream's three replicas.
+    async def durable_peers(js):
+        info = await js.consumer_info(jetstream.STREAM, jetstream.DURABLE)
+        return info.cluster.replicas if info.cluster and info.cluster.replicas else None
+
+    # (While it is being placed the leader may list itself among them too: at least the two others.)
+    assert len(await cluster_answer(nats_cluster, durable_peers, "the durable consumer's replicas")) >= 2
