@@ -4,9 +4,10 @@ The question it answers: does a row of a payment batch, which travels over
 the broker and is paid by `payments consume`, cost about what a payment sent
 over HTTP costs? The target is rows/s at least 0.9x the HTTP new-payment
 rate measured in the same run, on the same machine, against the same
-database and fakes (the 0.1 is the broker and the row's own reads and link
-write, docs/batches.md). Beside it, the time a client waits from its upload
-to `batch.completed`.
+database and fakes: a row makes a few round trips an HTTP payment does not
+(its row read, its link to its payment, the broker's fetch and ack), and
+saves the HTTP request and answer. Beside it, the time a client waits from
+its upload to `batch.completed`.
 
     start a phased API (one process), a NATS server from the wheel (its
     store in a fresh directory) and `payments consume` (one process, as
