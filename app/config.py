@@ -178,7 +178,12 @@ class Settings(BaseSettings):
     # ack wait must outlast one row's payment (its calls and phases); a row
     # that fails the same way on every delivery is dead-lettered after
     # `batch_max_deliveries`. A consumer pays this many rows at once.
+    # NATS_URL may name every node of a cluster, comma-separated, so that a
+    # consumer moves to a live node when its own dies; the streams are then
+    # kept on BATCH_STREAM_REPLICAS nodes (3 on a three-node cluster), so a
+    # node's death loses no stored row.
     nats_url: str = "nats://127.0.0.1:4222"
+    batch_stream_replicas: int = Field(default=1, ge=1, le=5)
     batch_ack_wait_seconds: float = Field(default=60.0, gt=0)
     batch_max_deliveries: int = Field(default=5, ge=1)
     batch_consumer_concurrency: int = Field(default=16, ge=1)

@@ -53,6 +53,8 @@ TARGETS = {
     # Of every round at 2 or more workers per API: the busiest worker
     # process's CPU ÷ the idlest one's (app/fastpath/reuse_port.py).
     "balance": ("API workers' CPU: max ÷ min, worst round", "<=", 1.2, "×"),
+    # The batch round (bench/batches.py): one consumer process against one API process, at the same moments.
+    "batch": ("batch rows/s ÷ HTTP new payments/s, at the same moments", ">=", 0.9, "×"),
 }
 
 

@@ -92,6 +92,9 @@ How it runs (most of the time is the measured runs: with three rounds, the earli
         payments, oldest first, each once, then again: warm-up, a measured
         run as long as a round's, check
         stop the APIs
+    the batch round (bench/batches.py): a 10,000-row batch over a NATS server of its own, alone between
+    two HTTP runs (the time from upload to batch.completed), then another beside HTTP clients at the
+    same moments (rows/s over new payments/s, target 0.9x), checked row by row
     pgbench with the service's SQL (the ceiling); report; JSON
 
 Alternating the order cancels drift (a warming cache, a growing table, a
@@ -124,7 +127,7 @@ import psutil
 import typer
 
 from app.admin import create_client
-from bench import ceiling, costs, outbox, report, watching
+from bench import batches, ceiling, costs, outbox, report, watching
 from bench.checks import Check, exactly_once, refunds_check, replays_check
 from bench.costs import STATS_SETTLE_SECONDS, CpuMeter, Wal, WalCount
 from bench.load import Load, Paid, RunResult, latency_ms, refund_order
@@ -257,6 +260,9 @@ class Bench:
             about = await machine(self.conn)
             for workers in self.params.workers:
                 await self.worker_count(workers)
+            p = self.params
+            batch_figures = {} if p.rate_only else await batches.measure(
+                self.dbs, self.psp, self.rail, concurrency=p.concurrency, duration=p.duration, warmup=p.warmup)
             ceiling_figures = {} if self.params.rate_only else await self.ceiling()
         finally:
             await self.wal.release()
@@ -268,6 +274,7 @@ class Bench:
             "outbox_side_by_side": self.outbox,
             "pooled_latency_ms": self.pooled_latency(),
             "ceiling": ceiling_figures,
+            "batches": batch_figures,
         }
 
     def pooled_latency(self) -> dict[str, dict[str, dict[str, float | None]]]:
@@ -786,11 +793,12 @@ def main(
     if not rate_only:
         print_webhooks(results["webhooks"])
         print_outbox_side_by_side(results)
+        batches.print_round(results["batches"])
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"bench-{started_at.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps(results, indent=2, default=str) + "\n")
     console.print(f"results: {path}")
-    if not results["exactly_once_pass"]:
+    if not results["exactly_once_pass"] or not batches.passed(results["batches"]):
         raise typer.Exit(1)
 
 

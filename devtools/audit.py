@@ -24,6 +24,13 @@ rail alone:
 
 Anything else (two charges, two accepted transfers, a refund beside an
 accepted transfer, a transfer without a charge) is money moved wrongly.
+
+Payment batches (when the soak uploads them): every row's payment is
+audited like a client's payment, its answer being what the batch's report
+told the client; and the batches themselves are judged: every row became
+exactly the payment its natural key names, a file sent again created
+nothing new, every batch reached `batch.completed` exactly once, no row was
+left unpaid or dead-lettered.
 """
 
 from __future__ import annotations
@@ -61,6 +68,14 @@ CHECKS = {
     "external_has_payment": "each PSP charge and rail transfer belongs to exactly one payment of ours",
     "answer_kept": "each final answer a client got is answered again byte for byte (when asked again)",
 }
+# The batches' own checks: printed only when the soak uploaded batches.
+BATCH_CHECKS = {
+    "batch_uploaded": "each batch file was accepted (202)",
+    "batch_row_one_payment": "each batch row is the one payment its natural key names",
+    "batch_resubmission_nothing_new": "a file sent again is answered by the first upload's payments, nothing new",
+    "batch_completed_once": "each batch reached batch.completed exactly once",
+    "batch_row_not_stuck": "no batch row left unpaid or dead-lettered",
+}
 
 
 @dataclass
@@ -79,6 +94,9 @@ class Evidence:
     # reference -> {"first": (status, body) the client got, "again": the same request's answer at the
     # end}; None when the soak did not ask again.
     asked_again: dict[str, dict[str, Any]] | None = None
+    # The soak's batches (devtools/soak.py::batch_evidence): each one's rows as our database holds them, its
+    # completion and events; None when it uploaded none.
+    batches: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -89,6 +107,8 @@ class Report:
     answers: Counter = field(default_factory=Counter)  # the client's final answer -> payments
     parked_left: list[str] = field(default_factory=list)  # parked, not settleable: for a person
     accounts: dict[str, dict[str, int]] = field(default_factory=dict)
+    batches_checked: int = 0  # 0: no batches, and their checks are not printed
+    batch_rows_checked: int = 0  # rows of the batches' first uploads (each a payment among `checked`)
 
     def violate(self, check: str, reference: str | None, **details: Any) -> None:
         self.violations.append({"check": check, "reference": reference, **details})
@@ -207,7 +227,46 @@ def audit(ev: Evidence) -> Report:
         if again is None or tuple(again) != tuple(first):
             report.violate("answer_kept", reference, first=first, again=again)
     _accounts(ev, report)
+    if ev.batches:
+        _batches(ev, report)
     return report
+
+
+def _batches(ev: Evidence, report: Report) -> None:
+    """The batches: each row one payment, the same for the same row in a file sent again; completed once."""
+    first_payment: dict[str, str | None] = {}  # row key -> the payment the first upload's row became
+    parked = {ref for ref in report.parked_left}
+    for batch in ev.batches or []:
+        report.batches_checked += 1
+        if batch["batch_id"] is None:
+            report.violate("batch_uploaded", batch["name"], refused=batch["refused"])
+            continue
+        if len(batch["rows"]) != batch["planned_rows"]:
+            report.violate("batch_uploaded", batch["name"], rows=len(batch["rows"]), planned=batch["planned_rows"])
+        waiting_for_a_person = False
+        for row in batch["rows"]:
+            report.batch_rows_checked += batch["resubmission_of"] is None
+            where = f"{batch['name']} row {row['row_number']}"
+            if row["dead"] or row["payment_id"] is None:
+                report.violate("batch_row_not_stuck", where, dead_lettered=row["dead"], payment=row["payment_id"])
+                continue
+            if row["payment_reference"] != row["planned_reference"] or \
+                    len(ev.payments.get(row["planned_reference"], [])) != 1:
+                report.violate("batch_row_one_payment", where, payment_reference=row["payment_reference"],
+                               expected=row["planned_reference"],
+                               payments=len(ev.payments.get(row["planned_reference"] or "", [])))
+            if row["planned_reference"] in parked:
+                waiting_for_a_person = True
+            if batch["resubmission_of"] is None:
+                first_payment[row["row_key"]] = row["payment_id"]
+            elif first_payment.get(row["row_key"]) != row["payment_id"]:
+                report.violate("batch_resubmission_nothing_new", where, payment=row["payment_id"],
+                               first_upload=first_payment.get(row["row_key"]))
+        # A batch waits for its parked rows: not a violation while reconciliation has left one for a person.
+        if (not batch["completed"] and not waiting_for_a_person) or batch["events"] > 1 or \
+                (batch["completed"] and batch["events"] != 1):
+            report.violate("batch_completed_once", batch["name"], completed=batch["completed"],
+                           events=batch["events"])
 
 
 def _settleable(row: dict, booked: dict[str, list[dict]], ev: Evidence) -> str | None:
@@ -261,10 +320,12 @@ def print_table(console: Any, report: Report) -> None:
     from rich.table import Table
 
     counts = report.by_check()
-    table = Table(title=f"audit: {report.checked} payments, {len(report.violations)} violations")
+    rows = f" ({report.batch_rows_checked} of them batch rows)" if report.batch_rows_checked else ""
+    table = Table(title=f"audit: {report.checked} payments{rows}, {len(report.violations)} violations")
     table.add_column("check")
     table.add_column("violations", justify="right")
-    for check, meaning in CHECKS.items():
+    checks = CHECKS | (BATCH_CHECKS if report.batches_checked else {})
+    for check, meaning in checks.items():
         n = counts.get(check, 0)
         table.add_row(meaning, f"[red]{n}[/]" if n else "0")
     console.print(table)

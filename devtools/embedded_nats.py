@@ -7,6 +7,13 @@ loopback only, keeps its streams in `store_dir` (so a restart keeps them:
 the tests restart it mid-batch), and is up once its monitoring port's
 /healthz answers, which it does only once JetStream is ready.
 
+`nats_cluster` starts several such servers as one JetStream cluster (`make
+cluster`, the soak, the batch tests that kill a node): cluster routes on
+loopback, each node its own store directory. Its streams are replicated
+(BATCH_STREAM_REPLICAS), and its clients are given every node's URL, so
+that when one node dies they move to another and the stream's other
+replicas carry on.
+
 Nothing here is used when NATS_URL is set: then that server is the one.
 """
 
@@ -37,3 +44,39 @@ def nats_broker(store_dir: Path, *, port: int | None = None, monitor_port: int |
     argv = [str(BIN / "nats-server"), "--jetstream", "--store_dir", str(store_dir), "--addr", "127.0.0.1",
             "--port", str(port), "--http_port", str(monitor_port), "--server_name", f"payments-{port}"]
     return Broker(f"nats://127.0.0.1:{port}", Process("nats-server", argv, env, log, monitor_port, grace=10))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: list[Broker]
+
+    @property
+    def url(self) -> str:
+        """Every node's URL, comma-separated: what NATS_URL says to a client that follows the cluster."""
+        return ",".join(node.url for node in self.nodes)
+
+
+def nats_cluster(store_root: Path, nodes: int, *, ports: list[int] | None = None, env: dict[str, str],
+                 logs: Path | None = None, name: str = "payments") -> Cluster:
+    """`nodes` nats-servers routed to each other as one JetStream cluster; not started yet.
+
+    Node n keeps its streams in `store_root`/node-n and listens on `ports`
+    (each node's client port; default free ones), with a free route port
+    and monitoring port. Every node lists every route, its own included
+    (the server ignores that one), so a node started again alone finds the
+    others. A node is healthy only once the cluster has a JetStream leader,
+    which takes a majority: start them together (System.start_nats_cluster).
+    """
+    ports = ports or [free_port() for _ in range(nodes)]
+    routes = [free_port() for _ in range(nodes)]
+    route_urls = ",".join(f"nats://127.0.0.1:{r}" for r in routes)
+    members = []
+    for n, (port, route) in enumerate(zip(ports, routes, strict=True), 1):
+        broker = nats_broker(store_root / f"node-{n}", port=port, env=env,
+                             log=None if logs is None else logs / f"nats-{n}.log")
+        argv = [arg if arg != f"payments-{port}" else f"{name}-{n}" for arg in broker.process.argv]
+        argv += ["--cluster_name", name, "--cluster", f"nats://127.0.0.1:{route}", "--routes", route_urls]
+        process = broker.process
+        members.append(Broker(broker.url, Process(f"nats-{n}", argv, process.env, process.log, process.port,
+                                                  grace=process.grace, timeout=60)))
+    return Cluster(members)

@@ -39,7 +39,7 @@ from rich.console import Console
 from app import admin
 from app.outbox import egress
 from devtools.bodies import payment_body
-from devtools.processes import NotHealthy
+from devtools.processes import NotHealthy, Process
 from devtools.system import System
 
 
@@ -143,8 +143,13 @@ def open_database(system: System, console: Console) -> str:
     return url
 
 
-def supervise(system: System, console: Console, start: Callable[[], None]) -> None:
-    """`start` the system, then watch it until Ctrl-C, SIGTERM, SIGHUP or a process exits; always stop it all."""
+def supervise(system: System, console: Console, start: Callable[[], None],
+              restart: Callable[[Process], bool] = lambda process: False) -> None:
+    """`start` the system, then watch it until Ctrl-C, SIGTERM, SIGHUP or a process exits; always stop it all.
+
+    A process `restart` names (a NATS cluster's node, which a person kills to
+    see the cluster carry on) is started again when it exits, instead.
+    """
     failed = False
     try:
         try:
@@ -155,7 +160,16 @@ def supervise(system: System, console: Console, start: Callable[[], None]) -> No
         # like Ctrl-C does, or the children would outlive us.
         signal.signal(signal.SIGTERM, _interrupt)
         signal.signal(signal.SIGHUP, _interrupt)
-        while all(process.running for process in system.processes):
+        while True:
+            gone = [process for process in system.processes if not process.running]
+            if any(not restart(process) for process in gone):
+                break
+            for process in gone:
+                console.print(f"[yellow]{process.name} exited (code {process.popen.returncode}); starting it again[/]")
+                try:
+                    process.start()
+                except NotHealthy as exc:
+                    console.print(f"[red]{exc}[/]")
             time.sleep(0.5)
         exited = ", ".join(process.name for process in system.processes if not process.running)
         console.print(f"[red]{exited} exited; stopping everything[/]")

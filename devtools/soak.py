@@ -36,13 +36,25 @@ A share of the payments are declines (tok_decline), rejected payouts (the
 rail's reject fault, by reference) and payouts to a legacy account
 (GB82WEST12345698765432, in RAIL_LEGACY_ACCOUNTS and the rail's
 --legacy-accounts), so every path of a payment meets the chaos.
+
+Payment batches (--batch-rows, on by default): the system also runs a
+three-node NATS JetStream cluster and two `payments consume`; each run
+uploads --batch-files CSV files through nginx (rows with the same mix), the
+chaos run the calm run's first file again under a new key, and the chaos
+adds kill_broker and kill_consumer, each struck while rows are being paid.
+The drain waits for the rows too, and the audit judges each row as a
+payment and each batch as a batch (docs/batches.md#the-soak-batches-beside-the-payments-a-broker-node-killed).
+A soak that starts no broker (soak_ha's) uploads no batches and takes
+neither action.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
 import hashlib
+import io
 import json
 import os
 import random
@@ -65,7 +77,7 @@ import asyncpg
 from rich.console import Console
 
 from devtools import audit, embedded_db, nginx
-from devtools.bodies import payment_body
+from devtools.bodies import IBAN, payment_body
 from devtools.processes import BIN, Process, child_env, free_port
 from devtools.system import System
 
@@ -265,6 +277,223 @@ async def offer(clients: Clients, payments: list[Payment], seconds: float, concu
     return wall, max(answered, default=time.time())
 
 
+# -- the batches (--batch-rows) -------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """One payroll file a client uploads (CSV), and what it was told about it."""
+
+    name: str  # calm-1, chaos-2, calm-1-again
+    reference: str  # the batch's reference (a payroll run); a resubmission keeps the file's
+    body: bytes
+    rows: list[dict[str, Any]]  # each row's reference, kind, and its payment's reference (from its natural key)
+    key: str  # the upload's Idempotency-Key, the same on every retry of this upload
+    run: str  # calm | chaos
+    resubmission_of: str | None = None  # the name of the batch whose file this is, sent again under a new key
+    batch_id: str | None = None
+    refused: dict[str, Any] | None = None
+    report: dict[str, Any] | None = None  # GET /v1/payment-batches/{id} at the end
+
+
+def plan_batches(rng: random.Random, run: str, seed: int, files: int, rows: int, client_id: int) -> list[Batch]:
+    """`files` files of `rows` rows, with the payments' mix of declines, rejected and legacy payouts."""
+    from app.payments.batches.rows import natural_key, payment_reference
+
+    value_date = datetime.now(UTC).date()
+    batches = []
+    for f in range(1, files + 1):
+        reference = f"soak-{seed}-{run}-batch-{f}"
+        out = io.StringIO()
+        writer = csv.writer(out)
+        writer.writerow(["reference", "value_date", "amount", "currency", "card_token", "beneficiary_name",
+                         "beneficiary_iban"])
+        planned = []
+        for n in range(1, rows + 1):
+            roll, kind, edge = rng.random(), "normal", 0.0
+            for name, share in SHARES.items():
+                edge += share
+                if roll < edge:
+                    kind = name
+                    break
+            row_reference = f"row-{n:05d}"
+            card = "tok_decline" if kind == "decline" else "tok_visa"
+            name_, iban = ("Charles Babbage", LEGACY_IBAN) if kind == "legacy" else ("Ada Lovelace", IBAN)
+            writer.writerow([row_reference, value_date.isoformat(), rng.randint(500, 500_000), "EUR", card, name_, iban])
+            key = natural_key(client_id, reference, row_reference, value_date)
+            planned.append({"row": n, "reference": row_reference, "kind": kind, "payment_reference": payment_reference(key)})
+        key = str(uuid.UUID(int=rng.getrandbits(128), version=4))
+        batches.append(Batch(f"{run}-{f}", reference, out.getvalue().encode(), planned, key, run))
+    return batches
+
+
+def sent_again(batch: Batch, rng: random.Random, run: str) -> Batch:
+    """The same file uploaded again under a new key (a client that lost track of its first upload)."""
+    return Batch(f"{batch.name}-again", batch.reference, batch.body, batch.rows,
+                 str(uuid.UUID(int=rng.getrandbits(128), version=4)), run, resubmission_of=batch.name)
+
+
+async def upload(session: aiohttp.ClientSession, base_url: str, api_key: str, batch: Batch, deadline: float) -> None:
+    """POST the file under its key until a 202 (the first, or its replay) or a refusal, as a client would."""
+    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "text/csv", "Idempotency-Key": batch.key}
+    attempt = 0
+    while time.monotonic() < deadline:
+        attempt += 1
+        try:
+            async with session.post(f"{base_url}/v1/payment-batches", params={"reference": batch.reference},
+                                    data=batch.body, headers=headers) as r:
+                status, text = r.status, await r.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            status, text = 0, ""
+        if status == 202:
+            batch.batch_id = json.loads(text)["id"]
+            return
+        if status and status not in RETRY_STATUSES:
+            batch.refused = {"status": status, "body": text[:500]}
+            return
+        await asyncio.sleep(min(2.0, 0.1 * 2 ** min(attempt, 5)) * random.uniform(0.5, 1.0))
+    batch.refused = {"status": None, "body": "no answer before the deadline"}
+
+
+# Rows still to be paid: no key row for their natural key yet (on the broker), or one an attempt holds.
+# A row of a file sent again counts by its key row too: its own message may have been dropped as a duplicate.
+UNPAID_ROWS = """
+    SELECT count(*) FROM payment_batch_row r
+      LEFT JOIN idempotency_key k ON k.client_id = r.client_id AND k.key = CAST(r.row_key AS text)
+     WHERE r.dead_lettered_at IS NULL AND (k.key IS NULL OR (k.state = 'started' AND k.parked_at IS NULL))
+"""
+
+
+async def upload_over(session: aiohttp.ClientSession, base_url: str, api_key: str, pending: list[Batch],
+                      seconds: float, deadline: float) -> None:
+    """Upload the files of `pending` spread over the run, taking each off the list (the chaos may take one
+    sooner: rows_in_flight)."""
+    start, files = time.monotonic(), len(pending)
+    for i in range(files):
+        await asyncio.sleep(max(0.0, start + i * seconds / max(1, files) - time.monotonic()))
+        if not pending:
+            return
+        await upload(session, base_url, api_key, pending.pop(0), deadline)
+
+
+async def unpaid_rows(database_url: str) -> int | None:
+    """Batch rows still to be paid (None: the database did not answer, as while it restarts)."""
+    try:
+        db = await asyncpg.connect(database_url, timeout=2)
+        try:
+            return await db.fetchval(UNPAID_ROWS, timeout=2)
+        finally:
+            await db.close()
+    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError):
+        return None
+
+
+async def rows_in_flight(session: aiohttp.ClientSession, base_url: str, api_key: str, database_url: str,
+                         pending: list[Batch], deadline: float, timeout: float = 5.0) -> None:
+    """Before the chaos kills a broker node or a consumer: rows being paid, so the kill meets a batch in flight.
+
+    If none is, the next new file of the run is uploaded now; then wait
+    (bounded) until its first rows are paid and others are still to be.
+    """
+    first = await unpaid_rows(database_url)
+    if not first:
+        fresh = next((b for b in pending if b.resubmission_of is None), None)
+        if fresh is None:
+            return
+        pending.remove(fresh)
+        await upload(session, base_url, api_key, fresh, deadline)
+        first = len(fresh.rows)  # all of them unpaid at its 202: the consumers may be quick to start
+    until = time.monotonic() + timeout
+    while first and time.monotonic() < until:
+        now = await unpaid_rows(database_url)
+        if now is not None and 0 < now < first:
+            return
+        await asyncio.sleep(0.1)
+
+
+async def rows_settled(database_url: str, batch_ids: list[str], timeout: float, *, completed: bool) -> float:
+    """Wait until no row of these batches is still to be paid (`completed`: until every batch completed);
+    how long it took (the timeout if never)."""
+    start = time.monotonic()
+    ids = [uuid.UUID(b) for b in batch_ids]
+    query = ("SELECT count(*) FROM payment_batch WHERE id = ANY($1::uuid[]) AND completed_at IS NULL" if completed
+             else UNPAID_ROWS + " AND r.batch_id = ANY($1::uuid[])")
+    db = await asyncpg.connect(database_url)
+    try:
+        while time.monotonic() - start < timeout:
+            if await db.fetchval(query, ids) == 0:
+                return time.monotonic() - start
+            await asyncio.sleep(0.5)
+    finally:
+        await db.close()
+    return timeout
+
+
+async def batch_reports(session: aiohttp.ClientSession, base_url: str, api_key: str, batches: list[Batch]) -> None:
+    """What each client is finally told about its batch: GET /v1/payment-batches/{id}."""
+    for batch in batches:
+        if batch.batch_id is None:
+            continue
+        async with session.get(f"{base_url}/v1/payment-batches/{batch.batch_id}",
+                               headers={"Authorization": f"Bearer {api_key}"}) as r:
+            batch.report = await r.json() if r.status == 200 else {"status_code": r.status}
+
+
+def row_answers(batches: list[Batch]) -> dict[str, dict[str, Any]]:
+    """Each row's answer as its client reads it in its batch's report, by the row's payment reference.
+
+    A failed row is listed with its state; a row not listed in a completed
+    batch succeeded; in a batch not completed its state is not told row by
+    row (`indeterminate`: not known to the client). A resubmitted file's rows
+    are the first upload's payments: answered once, under the first.
+    """
+    answers: dict[str, dict[str, Any]] = {}
+    for batch in (b for b in batches if b.resubmission_of is None):
+        report = batch.report or {}
+        failed = {f["row"]: f["state"] for f in report.get("failed_rows", [])}
+        done = report.get("status") == "completed"
+        for row in batch.rows:
+            state = failed.get(row["row"], "succeeded" if done else None)
+            answers[row["payment_reference"]] = {
+                "final_status": state, "first_status": state or "indeterminate",
+                "refused": batch.refused, "gave_up": False, "kind": f"batch-{row['kind']}", "statuses": {},
+            }
+    return answers
+
+
+async def batch_evidence(database_url: str, batches: list[Batch]) -> list[dict[str, Any]]:
+    """Each batch's rows as our database holds them (the row's payment, from its link or its key row), its
+    completion and its batch.completed events; with the resubmissions named."""
+    db = await asyncpg.connect(database_url)
+    try:
+        out = []
+        for batch in batches:
+            if batch.batch_id is None:
+                out.append({"name": batch.name, "batch_id": None, "refused": batch.refused})
+                continue
+            bid = uuid.UUID(batch.batch_id)
+            completed_at = await db.fetchval("SELECT completed_at FROM payment_batch WHERE id = $1", bid)
+            events = await db.fetchval("SELECT count(*) FROM event WHERE type = 'batch.completed'"
+                                       " AND data::jsonb ->> 'id' = $1", batch.batch_id)
+            rows = [dict(r) for r in await db.fetch(
+                "SELECT r.row_number, CAST(r.row_key AS text) AS row_key, coalesce(r.payment_id, k.payment_id) AS payment_id,"
+                " r.dead_lettered_at IS NOT NULL AS dead, p.reference AS payment_reference, p.status"
+                "  FROM payment_batch_row r"
+                "  LEFT JOIN idempotency_key k ON k.client_id = r.client_id AND k.key = CAST(r.row_key AS text)"
+                "  LEFT JOIN payment p ON p.id = coalesce(r.payment_id, k.payment_id)"
+                " WHERE r.batch_id = $1 ORDER BY r.row_number", bid)]
+            planned = {row["row"]: row["payment_reference"] for row in batch.rows}
+            for row in rows:
+                row["planned_reference"] = planned.get(row["row_number"])
+                row["payment_id"] = str(row["payment_id"]) if row["payment_id"] else None
+            out.append({"name": batch.name, "batch_id": batch.batch_id, "resubmission_of": batch.resubmission_of,
+                        "refused": batch.refused, "completed": completed_at is not None, "events": events,
+                        "rows": rows, "planned_rows": len(batch.rows)})
+        return out
+    finally:
+        await db.close()
+
+
 # -- the chaos -----------------------------------------------------------------
 
 
@@ -279,6 +508,11 @@ class Cluster:
     rails_url: str
     api_key: str
     frozen: set[int] = field(default_factory=set)
+    # Payment batches (--batch-rows): the NATS cluster's nodes, the consumers, the client's id (for the
+    # rows' natural keys). Empty for a soak that starts no broker (soak_ha's).
+    brokers: list[Process] = field(default_factory=list)
+    consumers: list[Process] = field(default_factory=list)
+    client_id: int | None = None
 
 
 class Chaos:
@@ -291,6 +525,7 @@ class Chaos:
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         self.restarted_postgres = False
         self.skipped: list[str] = []
+        self.before_batch_kill: Any = None  # a coroutine function, set by the soak when it uploads batches
 
     def record(self, action: str, **details: Any) -> dict[str, Any]:
         event = {"action": action, "at": time.time(), **details}
@@ -337,6 +572,35 @@ class Chaos:
         await asyncio.sleep(self.rng.uniform(0.5, 2.0))
         await asyncio.to_thread(embedded_db.start, self.c.server)
 
+    async def kill_broker(self) -> None:
+        """SIGKILL one node of the NATS cluster; start it again on its store 0.5-2 s later.
+
+        The rows' stream is on all three nodes: the two left elect a leader (if
+        the dead one led) and carry on; publishes and acks in flight to the dead
+        node are lost, so rows are published again (same message id) or
+        delivered again (answered from their key rows).
+        """
+        node = self.rng.choice(self.c.brokers)
+        await self.batch_in_flight()
+        await asyncio.to_thread(node.kill)
+        self.record("kill_broker", target=node.name, rows_unpaid=await unpaid_rows(self.c.database_url))
+        await asyncio.sleep(self.rng.uniform(0.5, 2.0))
+        await asyncio.to_thread(node.start)
+
+    async def kill_consumer(self) -> None:
+        """SIGKILL one `payments consume`; restart it. Its unacknowledged rows are delivered again after the ack wait."""
+        consumer = self.rng.choice(self.c.consumers)
+        await self.batch_in_flight()
+        await asyncio.to_thread(consumer.kill)
+        self.record("kill_consumer", target=consumer.name, rows_unpaid=await unpaid_rows(self.c.database_url))
+        await asyncio.sleep(self.rng.uniform(0.5, 2.0))
+        await asyncio.to_thread(consumer.start)
+
+    async def batch_in_flight(self) -> None:
+        """What the soak set to run before a broker or consumer kill (soak: rows_in_flight); nothing by default."""
+        if self.before_batch_kill is not None:
+            await self.before_batch_kill()
+
     def _faults(self, operations: list[str | None], extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         faults = []
         for _ in range(self.rng.randint(1, 3)):
@@ -376,12 +640,16 @@ class Chaos:
     def first_actions(self) -> list[Any]:
         """One of each kind, taken first."""
         return [self.kill_api, self.kill_worker, self.freeze_api, self.restart_postgres, self.psp_faults,
-                self.rail_faults]
+                self.rail_faults] + self.batch_actions()
 
     def weighted_actions(self) -> list[Any]:
         """What is chosen from at random after the first ones (a kind twice as often is there twice)."""
         return [self.kill_api] * 3 + [self.kill_worker] * 2 + [self.freeze_api] * 2 + \
-               [self.psp_faults] * 3 + [self.rail_faults] * 3
+               [self.psp_faults] * 3 + [self.rail_faults] * 3 + self.batch_actions() * 2
+
+    def batch_actions(self) -> list[Any]:
+        """The broker's and the consumers' deaths, when the soak runs them (--batch-rows)."""
+        return [self.kill_broker, self.kill_consumer] if self.c.brokers else []
 
     async def run(self, until: asyncio.Event) -> None:
         """One action at a time: first one of each kind (in a seeded order), then a weighted random choice."""
@@ -417,7 +685,7 @@ async def everything_up(cluster: Cluster) -> None:
     cluster.frozen.clear()
     if cluster.server is not None and not embedded_db.is_accepting(cluster.server.port):
         await asyncio.to_thread(embedded_db.start, cluster.server)
-    for process in [*cluster.apis, *cluster.workers]:
+    for process in [*cluster.apis, *cluster.workers, *cluster.brokers, *cluster.consumers]:
         if not process.running:
             await asyncio.to_thread(process.start)
 
@@ -574,7 +842,14 @@ class Hooks:
         """More violations, of what the variant checks itself."""
 
 
-def start_cluster(results: Path, replicas: int, console: Console) -> Cluster:
+# The consumers' settings in the soak: a short ack wait, so a row whose ack
+# died with a broker node or a consumer is delivered again within the run.
+BATCH_SETTINGS = {"BATCH_ACK_WAIT_SECONDS": "10"}
+
+
+def start_cluster(results: Path, replicas: int, console: Console, *, nats_nodes: int = 0,
+                  consumers: int = 2) -> Cluster:
+    """The soak's system; with `nats_nodes`, a NATS cluster of that many nodes and `consumers` consumers too."""
     system = System(results / "logs", settings=SETTINGS, environ=child_env())
     database_url = os.environ.get("DATABASE_URL")
     try:
@@ -598,16 +873,25 @@ def start_cluster(results: Path, replicas: int, console: Console) -> Cluster:
                 rails_url = rails_server.url("rails")
                 system.start_postgres(server)
                 system.create_database("payments")
-        _, api_key = system.create_client("soak")
+        client_id, api_key = system.create_client("soak")
         system.start_fakes(records_url=rails_url,
                            rail_args=("--legacy-accounts", LEGACY_IBAN, "--cutoff", "24:00"))
         apis = [system.start_api(f"api-{n}") for n in range(1, replicas + 1)]
         workers = [system.start_worker(f"worker-{n}") for n in (1, 2)]
         balancer = system.start_nginx(apis, results / "nginx")
+        brokers: list[Process] = []
+        batch_consumers: list[Process] = []
+        if nats_nodes:
+            with console.status(f"starting a {nats_nodes}-node NATS JetStream cluster and {consumers} consumers"):
+                nats = system.start_nats_cluster(results / "nats", nats_nodes)
+                brokers = [node.process for node in nats.nodes]
+                batch_consumers = [system.start_consumer(f"consumer-{n}", **BATCH_SETTINGS)
+                                   for n in range(1, consumers + 1)]
     except BaseException:
         system.stop()
         raise
-    return Cluster(system, apis, workers, balancer, server, system.database_url, rails_url, api_key)
+    return Cluster(system, apis, workers, balancer, server, system.database_url, rails_url, api_key,
+                   brokers=brokers, consumers=batch_consumers, client_id=client_id)
 
 
 async def soak(args: argparse.Namespace, cluster: Cluster, results: Path, console: Console,
@@ -618,6 +902,20 @@ async def soak(args: argparse.Namespace, cluster: Cluster, results: Path, consol
     chaotic = plan_payments(rng, "chaos", args.seed, args.payments)
     everyone = calm + chaotic
     reject_refs = [p.reference for p in everyone if p.kind == "reject"]
+    # Payment batches, when the cluster has a broker: files spread over each
+    # run, and in the chaos run the calm run's first file again under a new key.
+    calm_batches: list[Batch] = []
+    chaos_batches: list[Batch] = []
+    if cluster.brokers and getattr(args, "batch_rows", 0) > 0:
+        brng = random.Random(args.seed + 2)  # its own, so the payments and the chaos are the seed's as before
+        calm_batches = plan_batches(brng, "calm", args.seed, args.batch_files, args.batch_rows, cluster.client_id)
+        chaos_batches = plan_batches(brng, "chaos", args.seed, args.batch_files, args.batch_rows, cluster.client_id)
+        chaos_batches.insert(1, sent_again(calm_batches[0], brng, "chaos"))
+        reject_refs += [r["payment_reference"] for b in calm_batches + chaos_batches if b.resubmission_of is None
+                        for r in b.rows if r["kind"] == "reject"]
+    all_batches = calm_batches + chaos_batches
+    for_kills: list[Batch] = []
+    batch_drain: list[float] = []
     first_day = datetime.now(UTC).date()
     journal = Journal(results / "client-keys.jsonl")
     connector = aiohttp.TCPConnector(limit=args.concurrency * 2)
@@ -628,21 +926,37 @@ async def soak(args: argparse.Namespace, cluster: Cluster, results: Path, consol
         await chaos.clear_faults()  # the planned rejections only
         budget = args.seconds * 4 + 120  # a run that has not answered by then gives up: a violation
 
-        console.rule(f"calm run: {args.payments} payments over {args.seconds:g} s")
+        console.rule(f"calm run: {args.payments} payments over {args.seconds:g} s"
+                     + (f", {len(calm_batches)} batches of {args.batch_rows} rows" if calm_batches else ""))
+        uploads = asyncio.create_task(upload_over(session, cluster.balancer.url, cluster.api_key, list(calm_batches),
+                                                  args.seconds, time.monotonic() + budget))
         start, end = await offer(clients, calm, args.seconds, args.concurrency, time.monotonic() + budget)
+        await uploads
         calm_rate = len(calm) / max(end - start, 1e-9)
         console.print(f"  {calm_rate:.1f} payments/s ({end - start:.1f} s)")
 
-        console.rule(f"chaos run: {args.payments} payments over {args.seconds:g} s")
+        console.rule(f"chaos run: {args.payments} payments over {args.seconds:g} s"
+                     + (f", {len(chaos_batches)} batches (one the calm run's file again)" if chaos_batches else ""))
         load_done = asyncio.Event()
         chaos_task = asyncio.create_task(chaos.run(load_done))
         extra_task = asyncio.create_task(hooks.during_chaos(clients, load_done))
+        # The first file and the file sent again go up at the start and half-way; the others wait for
+        # the chaos's broker and consumer kills, each uploaded just before one (rows_in_flight), so
+        # that each kill meets rows being paid; any left are uploaded once the load is over.
+        for_kills = chaos_batches[2:]
+        uploads = asyncio.create_task(upload_over(session, cluster.balancer.url, cluster.api_key,
+                                                  chaos_batches[:2], args.seconds, time.monotonic() + budget))
+        chaos.before_batch_kill = lambda: rows_in_flight(session, cluster.balancer.url, cluster.api_key,
+                                                         cluster.database_url, for_kills, time.monotonic() + budget)
         try:
             start, end = await offer(clients, chaotic, args.seconds, args.concurrency, time.monotonic() + budget)
         finally:
             load_done.set()
             await chaos_task
             await extra_task
+            await uploads
+            while for_kills:
+                await upload(session, cluster.balancer.url, cluster.api_key, for_kills.pop(0), time.monotonic() + budget)
         chaos_rate = len(chaotic) / max(end - start, 1e-9)
         console.print(f"  {chaos_rate:.1f} payments/s ({end - start:.1f} s)")
 
@@ -651,9 +965,19 @@ async def soak(args: argparse.Namespace, cluster: Cluster, results: Path, consol
         await hooks.everything_up(cluster)
         first_drain = await drain(cluster.database_url, args.drain_seconds)
         console.print(f"  drained in {first_drain:.1f} s")
+        uploaded = [b.batch_id for b in all_batches if b.batch_id]
+        if uploaded:
+            # Rows still on the broker have no key row yet, so the drain above does not wait for them.
+            batch_drain.append(await rows_settled(cluster.database_url, uploaded, args.drain_seconds, completed=False))
+            first_drain = max(first_drain, await drain(cluster.database_url, args.drain_seconds))
+            console.print(f"  every batch row paid or parked {batch_drain[0]:.1f} s after that")
         reconciled = await close_days_and_reconcile(cluster, first_day, console)
         second_drain = await drain(cluster.database_url, args.drain_seconds)
         console.print(f"  drained again in {second_drain:.1f} s")
+        if uploaded:
+            batch_drain.append(await rows_settled(cluster.database_url, uploaded, args.drain_seconds, completed=True))
+            console.print(f"  every batch completed {batch_drain[1]:.1f} s after that")
+            await batch_reports(session, cluster.balancer.url, cluster.api_key, all_batches)
         settle_by = time.monotonic() + args.drain_seconds
         await asyncio.gather(*(clients.settle(p, settle_by) for p in everyone))
         again = await asyncio.gather(*(clients.ask_again(p) for p in everyone)) if hooks.ask_again else []
@@ -662,6 +986,9 @@ async def soak(args: argparse.Namespace, cluster: Cluster, results: Path, consol
     journal.close()
 
     evidence = await collect(cluster, everyone, first_day)
+    if all_batches:
+        evidence.answers |= row_answers(all_batches)
+        evidence.batches = await batch_evidence(cluster.database_url, all_batches)
     if hooks.ask_again:
         evidence.asked_again = {p.reference: {"first": p.response, "again": a}
                                 for p, a in zip(everyone, again, strict=True) if p.response is not None}
@@ -674,7 +1001,8 @@ async def soak(args: argparse.Namespace, cluster: Cluster, results: Path, consol
     recovery = stranded(results / "nginx" / "access.log", chaos.events, finished, parked)
     return {
         "command": f"python -m devtools.soak --seed {args.seed} --payments {args.payments} "
-                   f"--seconds {args.seconds:g} --replicas {args.replicas}",
+                   f"--seconds {args.seconds:g} --replicas {args.replicas}"
+                   + (f" --batch-rows {args.batch_rows} --batch-files {args.batch_files}" if all_batches else ""),
         "machine": f"{os.cpu_count()} CPUs",
         "settings": SETTINGS,
         "payments": len(everyone),
@@ -694,6 +1022,15 @@ async def soak(args: argparse.Namespace, cluster: Cluster, results: Path, consol
                   "answers": dict(report.answers), "parked_left_for_a_person": report.parked_left,
                   "accounts": report.accounts, "details": report.violations},
         **hooks.figures(everyone),
+        **({"batches": {
+            "files": [{"name": b.name, "rows": len(b.rows), "batch_id": b.batch_id, "refused": b.refused,
+                       "resubmission_of": b.resubmission_of,
+                       "status": (b.report or {}).get("status"), "counts": (b.report or {}).get("counts")}
+                      for b in all_batches],
+            "rows": sum(len(b.rows) for b in all_batches if b.resubmission_of is None),
+            "seconds_until_paid_then_completed": [round(t, 2) for t in batch_drain],
+            "nats_nodes": len(cluster.brokers), "consumers": len(cluster.consumers),
+        }} if all_batches else {}),
         "chaos_events": chaos.events,
         "payments_detail": [asdict(p) for p in everyone if p.refused or p.gave_up],
         "_report": report,
@@ -710,12 +1047,21 @@ def arguments(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=32, help="unanswered payments at a time")
     parser.add_argument("--drain-seconds", type=float, default=180)
     parser.add_argument("--results", type=Path, default=None, help="default .data/soak/<seed>-<time>")
+    parser.add_argument("--batch-rows", type=int, default=60,
+                        help="rows per payment batch file, uploaded beside the payments over a three-node NATS "
+                             "cluster (`make soak`; 0: no batches)")
+    parser.add_argument("--batch-files", type=int, default=3, help="batch files per run (calm, then chaos)")
     return parser
 
 
 def main() -> None:
     args = arguments("python -m devtools.soak", __doc__.splitlines()[0]).parse_args()
-    run(args, Console(width=120), start_cluster)
+    nodes = 3 if args.batch_rows > 0 and args.batch_files > 0 else 0
+
+    def start(results: Path, replicas: int, console: Console) -> Cluster:
+        return start_cluster(results, replicas, console, nats_nodes=nodes)
+
+    run(args, Console(width=120), start)
 
 
 def run(args: argparse.Namespace, console: Console, start: Any, hooks: Hooks | None = None,
@@ -752,6 +1098,11 @@ def run(args: argparse.Namespace, console: Console, start: Any, hooks: Hooks | N
     console.print("chaos actions: " + ", ".join(f"{k}={v}" for k, v in sorted(figures["chaos_actions"].items())))
     for skipped in figures["chaos_skipped"]:
         console.print(f"skipped: {skipped}")
+    if "batches" in figures:
+        b = figures["batches"]
+        console.print(f"batches: {len(b['files'])} uploads ({sum(1 for f in b['files'] if f['resubmission_of'])} "
+                      f"a file sent again), {b['rows']} rows over {b['nats_nodes']} NATS nodes and {b['consumers']} "
+                      f"consumers; " + ", ".join(f"{f['name']} {f['status']}" for f in b["files"]))
     print_more(console, figures)
     console.print(f"results: {results / 'soak.json'}")
     raise SystemExit(1 if report.violations else 0)

@@ -119,7 +119,8 @@ class System:
         self.psp: Process | None = None
         self.rail: Process | None = None
         self.merchant: Process | None = None
-        self.nats_url: str | None = None
+        self.nats_url: str | None = None  # one server's URL, or every node's of a cluster, comma-separated
+        self.nats_replicas: int | None = None  # a cluster of ours: the streams' replicas
         self.processes: list[Process] = []
         self._secrets_key: str | None = None
         self._exit = ExitStack()
@@ -218,8 +219,29 @@ class System:
             log = None if self.logs is None else self.logs / "nats-server.log"
             broker = embedded_nats.nats_broker(store_dir, port=port, env=self._base(), log=log)
             self.spawn(broker.process)
-        self.nats_url = broker.url
+        self.nats_url, self.nats_replicas = broker.url, None
         return broker
+
+    def start_nats_cluster(self, store_root: Path, nodes: int = 3, *,
+                           ports: list[int] | None = None) -> embedded_nats.Cluster:
+        """`nodes` NATS servers of our own as one JetStream cluster, its streams on every node
+        (BATCH_STREAM_REPLICAS for the consumers); it becomes this system's broker, its consumers given
+        every node's URL.
+
+        Started together: a node is healthy only once a majority of them has
+        elected the cluster's JetStream leader, so waiting on each in turn would wait for ever.
+        """
+        logs = self.logs
+        cluster = embedded_nats.nats_cluster(store_root, nodes, ports=ports, env=self._base(), logs=logs)
+        processes = [node.process for node in cluster.nodes]
+        for process in processes:
+            self.processes.append(process)
+            self._exit.callback(process.stop)
+        with ThreadPoolExecutor(len(processes)) as pool:
+            for started in [pool.submit(p.start) for p in processes]:
+                started.result()
+        self.nats_url, self.nats_replicas = cluster.url, min(nodes, 3)
+        return cluster
 
     def start_consumer(self, name: str = "consumer", **settings: str) -> Process:
         """`payments consume` on this system's broker, up once it logs that it started."""
@@ -228,8 +250,11 @@ class System:
     def consumer_process(self, name: str = "consumer", **settings: str) -> Process:
         assert self.nats_url is not None, "start_nats first"
         log = self.log_for(name, len(self.processes))
+        broker = {"NATS_URL": self.nats_url}
+        if self.nats_replicas:
+            broker["BATCH_STREAM_REPLICAS"] = str(self.nats_replicas)
         return Process(name, [str(BIN / "payments"), "consume"],
-                       self.service_env(**({"NATS_URL": self.nats_url} | settings)), log,
+                       self.service_env(**(broker | settings)), log,
                        ready_line=CONSUMER_STARTED if log else None)
 
     def start_nginx(self, apis: Iterable[Process], directory: Path, *, port: int | None = None) -> Process:
@@ -322,6 +347,7 @@ class System:
         scoped = System(logs if logs is not None else self.logs, settings=self.settings, environ=self.environ)
         scoped.postgres, scoped.database_url, scoped.psp, scoped.rail, scoped.merchant, scoped.nats_url = (
             self.postgres, self.database_url, self.psp, self.rail, self.merchant, self.nats_url)
+        scoped.nats_replicas = self.nats_replicas
         return scoped
 
     def _base(self) -> dict[str, str]:

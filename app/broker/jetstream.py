@@ -18,6 +18,7 @@ What the broker promises, and what it does not (docs/batches.md#what-the-broker-
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
@@ -53,23 +54,43 @@ class RowMessage:
         return cls(uuid.UUID(value["batch_id"]), int(value["row"]), str(value["key"]))
 
 
+def servers(url: str) -> list[str]:
+    """NATS_URL as a list: one server, or every node of a cluster, comma-separated."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
 async def connect(url: str, name: str) -> Client:
-    """A connection that keeps reconnecting for ever: a broker restart is a pause, never the end of a process."""
+    """A connection that keeps reconnecting for ever: a broker restart is a pause, never the end of a process.
+
+    Given every node of a cluster, it moves to another node when the one it
+    is on dies, so a consumer follows the cluster rather than waiting for
+    that one node to come back.
+    """
     return await nats.connect(
-        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=2,
+        servers=servers(url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=2,
         allow_reconnect=True,
     )
 
 
-async def ensure_streams(js: JetStreamContext) -> None:
-    """Both streams, on file storage; made if missing, left as they are otherwise."""
+async def ensure_streams(js: JetStreamContext, *, replicas: int = 1) -> None:
+    """Both streams, on file storage, on `replicas` nodes; made if missing, given `replicas` if they have another count.
+
+    With three replicas a stored message is on a majority of the nodes before
+    its PubAck, so one node's death loses nothing the publisher was told was
+    stored; the durable consumer inherits the stream's replicas, so its
+    acknowledgements survive that death too.
+    """
     for name, subject in ((STREAM, SUBJECT), (DEAD_STREAM, DEAD_SUBJECT)):
         config = StreamConfig(name=name, subjects=[subject], storage=StorageType.FILE,
-                              retention=RetentionPolicy.LIMITS, duplicate_window=DUPLICATE_WINDOW_SECONDS)
+                              retention=RetentionPolicy.LIMITS, duplicate_window=DUPLICATE_WINDOW_SECONDS,
+                              num_replicas=replicas)
         try:
-            await js.stream_info(name)
+            info = await js.stream_info(name)
         except nats.js.errors.NotFoundError:
             await js.add_stream(config)
+            continue
+        if (info.config.num_replicas or 1) != replicas:
+            await js.update_stream(dataclasses.replace(info.config, num_replicas=replicas))
 
 
 async def publish(js: JetStreamContext, message: RowMessage, *, timeout: float = 5.0) -> None:

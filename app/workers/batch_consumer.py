@@ -76,8 +76,11 @@ async def handle(services: Services, js, msg) -> Verdict | None:
 
 async def consume_loop(services: Services, js, stop: asyncio.Event) -> None:
     settings = services.settings
-    sub = await jetstream.subscribe(js, ack_wait=settings.batch_ack_wait_seconds,
-                                    max_ack_pending=max(1000, settings.batch_consumer_concurrency * 4))
+    sub = await until_answered(stop, "bind to the durable consumer", lambda: jetstream.subscribe(
+        js, ack_wait=settings.batch_ack_wait_seconds,
+        max_ack_pending=max(1000, settings.batch_consumer_concurrency * 4)))
+    if sub is None:
+        return
     slots = asyncio.Semaphore(settings.batch_consumer_concurrency)
     tasks: set[asyncio.Task] = set()
     failures = 0
@@ -132,12 +135,33 @@ async def complete_loop(services: Services, stop: asyncio.Event) -> None:
         await pause(stop, COMPLETE_EVERY_SECONDS)
 
 
+async def until_answered(stop: asyncio.Event, what: str, request):
+    """`request()`'s answer, asked again until the broker gives one (None if stopped first).
+
+    A cluster electing a leader (at its start, or after a node's death)
+    answers "unavailable" or not at all for a few seconds; a consumer that
+    asks then must wait and ask again, never exit.
+    """
+    failures = 0
+    while not stop.is_set():
+        try:
+            return await request()
+        except Exception as exc:
+            failures += 1
+            log.warning("the broker could not %s yet (%s); asking again", what, describe(exc))
+            await pause(stop, outage_backoff(failures, 0.2, 5.0))
+    return None
+
+
 async def run(settings: Settings, stop: asyncio.Event) -> None:
     async with open_services(settings) as services:
         nc = await jetstream.connect(settings.nats_url, "payments-consume")
         try:
             js = nc.jetstream()
-            await jetstream.ensure_streams(js)
+            replicas = settings.batch_stream_replicas
+            await until_answered(stop, "set up the batch streams", lambda: jetstream.ensure_streams(js, replicas=replicas))
+            if stop.is_set():
+                return
             log.info("%s: paying batch rows from %s, publishing the batch outbox", CONSUMER_STARTED, settings.nats_url)
             await asyncio.gather(consume_loop(services, js, stop), publish_loop(services, js, stop),
                                  complete_loop(services, stop))

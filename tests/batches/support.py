@@ -76,3 +76,41 @@ def _date():
 def each_once(counts: dict) -> bool:
     return all(v == (1, 1, 1) for v in counts.values())
 
+
+
+@pytest.fixture
+async def nats_cluster(processes, tmp_path):
+    """Three NATS servers of the test's own as one JetStream cluster; its consumers get every node's URL."""
+    return processes.system.start_nats_cluster(tmp_path / "nats-cluster", 3)
+
+
+async def cluster_answer(cluster, ask, what: str, timeout: float = 30.0):
+    """`ask(js)`'s answer once the cluster gives one that is not None: a request can time out while it
+    elects a leader, or reach it before a stream or consumer it was just told of is in place."""
+    nc = await jetstream.connect(cluster.url, "test")
+    answer = None
+    try:
+        js = nc.jetstream()
+
+        async def answered() -> bool:
+            nonlocal answer
+            try:
+                answer = await ask(js)
+            except (nats.errors.Error, TimeoutError):
+                return False
+            return answer is not None
+
+        await until(answered, what, timeout)
+        return answer
+    finally:
+        await nc.close()
+
+
+async def stream_leader(cluster) -> str:
+    """The name of the node that leads the rows' stream (its replicas follow it)."""
+
+    async def leader(js):
+        info = await js.stream_info(jetstream.STREAM)
+        return info.cluster.leader if info.cluster else None
+
+    return await cluster_answer(cluster, leader, "the rows' stream's leader")

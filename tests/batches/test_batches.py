@@ -151,3 +151,31 @@ async def test_a_row_published_twice_beyond_the_dedup_window_is_answered_by_repl
     await until(drained, "the copies consumed and acknowledged")
     assert each_once(await charges_per_row(db, acme.id, "payroll-2026-12", range(1, 21)))
     assert await unbalanced_payments(db) == []
+
+
+class NoLeader:
+    """A JetStream whose stream has no leader (two nodes of three dead): every publish is answered by nobody."""
+
+    async def publish(self, *args, **kwargs):
+        raise nats.errors.NoRespondersError
+
+
+async def test_rows_the_broker_did_not_acknowledge_wait_a_short_backoff_not_the_whole_claim(
+    http, stack, db, acme, database_url
+):
+    # Would catch: a publish without a PubAck leaving its rows claimed for the whole CLAIM_SECONDS, so a
+    # cluster's leader election (seconds) holds a batch back half a minute (seen in `make soak`).
+    from datetime import timedelta
+
+    from app.config import Settings
+    from app.services import open_services
+    from app.workers.batch_publisher import CLAIM_SECONDS, publish_once
+
+    await upload(http, stack.api, acme, csv_file(3))
+    settings = Settings(database_url=database_url, psp_url=stack.psp.url, rail_url=stack.rail.url)
+    async with open_services(settings) as services:
+        stored, unacknowledged = await publish_once(services, NoLeader(), retry_seconds=1.0)
+    assert (stored, unacknowledged) == (0, 3)
+    waits = await db.fetch("SELECT claimed_until - now() AS left FROM batch_outbox")
+    assert len(waits) == 3 and all(w["left"] <= timedelta(seconds=1.5) for w in waits), waits
+    assert CLAIM_SECONDS > 10  # what the rows would otherwise have waited

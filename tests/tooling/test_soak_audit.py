@@ -138,3 +138,46 @@ def test_an_answer_asked_again_that_failed_is_a_violation_but_not_asking_is_not(
     assert audit(ev).by_check()["answer_kept"] == 0  # make soak does not ask again
     ev.asked_again = {"paid": {"first": (201, "{}"), "again": (0, "ClientConnectionError")}}
     assert audit(ev).by_check()["answer_kept"] == 1
+
+
+def with_batches(ev: Evidence) -> Evidence:
+    """The payment `paid` as row 1 of a batch, and the same file sent again (its row answered by that payment)."""
+    pid = str(ev.payments["paid"][0]["id"])
+    row = {"row_number": 1, "row_key": "key-1", "payment_id": pid, "dead": False, "payment_reference": "paid",
+           "planned_reference": "paid", "status": "succeeded"}
+    ev.batches = [
+        {"name": "calm-1", "batch_id": "b1", "resubmission_of": None, "refused": None, "completed": True,
+         "events": 1, "rows": [dict(row)], "planned_rows": 1},
+        {"name": "calm-1-again", "batch_id": "b2", "resubmission_of": "calm-1", "refused": None, "completed": True,
+         "events": 1, "rows": [dict(row)], "planned_rows": 1},
+    ]
+    return ev
+
+
+def test_batches_whose_rows_became_one_payment_each_pass_and_their_checks_are_counted():
+    report = audit(with_batches(evidence()))
+    assert report.violations == []
+    assert report.batches_checked == 2 and report.batch_rows_checked == 1
+
+
+def test_a_file_sent_again_that_made_a_new_payment_is_a_violation():
+    # Would catch: a resubmitted row paid afresh (a new payment id) instead of answered by the first upload's.
+    ev = with_batches(evidence())
+    ev.batches[1]["rows"][0]["payment_id"] = str(uuid.uuid4())
+    assert audit(ev).by_check() == {"batch_resubmission_nothing_new": 1}
+
+
+def test_a_batch_completed_twice_or_never_and_a_row_left_unpaid_are_violations():
+    # Would catch: batch.completed emitted twice (or not at all), and a row the consumers never paid.
+    ev = with_batches(evidence())
+    ev.batches[0]["events"] = 2
+    ev.batches[1]["completed"], ev.batches[1]["events"] = False, 0
+    ev.batches[1]["rows"][0]["payment_id"] = None
+    assert audit(ev).by_check() == {"batch_completed_once": 2, "batch_row_not_stuck": 1}
+
+
+def test_a_row_paid_under_another_reference_than_its_natural_key_names_is_a_violation():
+    # Would catch: a row's payment not derived from its natural key (a second upload could then pay it again).
+    ev = with_batches(evidence())
+    ev.batches[0]["rows"][0]["payment_reference"] = "declined"
+    assert audit(ev).by_check() == {"batch_row_one_payment": 1}
