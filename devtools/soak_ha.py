@@ -53,7 +53,7 @@ from rich.console import Console
 from devtools import embedded_db, soak
 from devtools.ha import INSTALL_HINT, TTL, HaCluster, find_programs
 from devtools.processes import child_env, free_port
-from devtools.system import System
+from devtools.system import System, with_database
 
 FAILOVERS = ("kill_primary", "switchover", "stall_primary")
 SHORT = {"payments": 150, "seconds": 60, "kills": 1, "stall": False}
@@ -263,6 +263,8 @@ def start_cluster(hooks: HaHooks) -> Any:
             rails_url = rails_server.url("rails")
             system.start_postgres(server_url=ha.url)
             system.create_database("payments")
+            # The console's pages on a standby, as make cluster-ha does (nothing in the soak reads them).
+            system.settings["DATABASE_READ_URL"] = with_database(ha.read_url, "payments")
             _, api_key = system.create_client("soak")
             system.start_fakes(records_url=rails_url,
                                rail_args=("--legacy-accounts", soak.LEGACY_IBAN, "--cutoff", "24:00"))
@@ -300,7 +302,7 @@ def main() -> None:
                         help="asynchronous replication, the standbys held SECONDS behind before each kill, no "
                              "switchover or stall: what it loses (a report: exit 0 whatever the audit finds)")
     parser.add_argument("--base-port", type=int, default=0,
-                        help="etcd, PostgreSQL, Patroni and HAProxy on the 14 ports from here (default: free ones)")
+                        help="etcd, PostgreSQL, Patroni and HAProxy on the 15 ports from here (default: free ones)")
     # Longer than `make soak`'s runs: the failovers, one after another, take about three minutes.
     parser.set_defaults(payments=450, seconds=180)
     args = parser.parse_args()

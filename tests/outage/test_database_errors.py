@@ -137,6 +137,13 @@ async def test_a_pooled_connection_used_as_the_server_says_goodbye_is_unavailabl
     assert not database_unavailable(misuse)
 
 
+async def test_a_standby_cancelling_a_read_for_its_replay_is_unavailable_but_another_serialization_failure_is_not():
+    # As a standby words it when the WAL it replays removes rows a page's read
+    # (DATABASE_READ_URL) could still see; built by hand: make test runs no standby.
+    assert database_unavailable(asyncpg.SerializationError("canceling statement due to conflict with recovery"))
+    assert not database_unavailable(asyncpg.SerializationError("could not serialize access due to concurrent update"))
+
+
 async def test_a_write_on_a_read_only_node_is_unavailable_and_the_pool_lets_go_of_the_connection(server_url):
     # What a standby, or a primary being demoted in a failover, answers a write
     # (docs/failover.md): SQLSTATE 25006. A read-only session gets the same
