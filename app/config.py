@@ -112,6 +112,13 @@ class Settings(BaseSettings):
     # route answers them.
     replay_shortcut: bool = True
     db_pool_size: int = Field(default=20, ge=1)
+    # How long one phase's statements and commit may take at the database
+    # before the service drops the connection (no cancel request) and answers
+    # 503 with Retry-After (app/db/transaction.py::_bounded). What it bounds:
+    # a commit that waits for a synchronous standby when none is left. A
+    # request can meet it twice (a phase, then the release of its lease), so
+    # twice this stays under a balancer's read timeout (devtools/nginx.py).
+    db_phase_timeout_seconds: float = Field(default=2.0, gt=0)
     # What one client can make an API process hold (README.md#bounds-on-input,
     # app/api/http_protocol.py). A request body must arrive within
     # BODY_TIMEOUT_SECONDS of its headers (408 after it). One peer (an IPv4

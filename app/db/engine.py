@@ -17,6 +17,7 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from app.config import Settings
+from app.db.transaction import PHASE_TIMEOUT
 
 # Leases are compared with now() on the server, never with this process's
 # clock; UTC keeps the timestamps we print unambiguous.
@@ -35,8 +36,11 @@ SERVER_SETTINGS = {"timezone": "UTC", "plan_cache_mode": "force_generic_plan"}
 
 
 def build_engine(settings: Settings) -> AsyncEngine:
-    """The engine of DATABASE_URL, the primary: every write, and every read on a payment's path."""
-    return _engine(settings.database_url, settings.db_pool_size, {})
+    """The engine of DATABASE_URL, the primary: every write, and every read on a payment's path.
+
+    Its phases are bounded by DB_PHASE_TIMEOUT_SECONDS (app/db/transaction.py::_bounded).
+    """
+    return _engine(settings.database_url, settings.db_pool_size, {PHASE_TIMEOUT: settings.db_phase_timeout_seconds})
 
 
 def build_read_engine(settings: Settings) -> AsyncEngine | None:
