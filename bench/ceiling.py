@@ -111,6 +111,9 @@ class _Recorder:
     def connect(self) -> _Recorder:
         return self
 
+    def get_execution_options(self) -> dict[str, Any]:
+        return {}  # no phase bound (app/db/transaction.py::_bounded): nothing here waits on a server
+
     def begin(self) -> _Recorder:
         return self
 
