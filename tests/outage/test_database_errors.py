@@ -173,6 +173,7 @@ async def test_a_phase_past_its_bound_is_dropped_not_cancelled_but_reads_and_upk
 
 
 async def test_a_standby_cancelling_a_read_for_its_replay_is_unavailable_but_another_serialization_failure_is_not():
+    """Catches: a console page whose read a standby cancelled for its replay answered as a bug's 500."""
     # As a standby words it when the WAL it replays removes rows a page's read
     # (DATABASE_READ_URL) could still see; built by hand: make test runs no standby.
     assert database_unavailable(asyncpg.SerializationError("canceling statement due to conflict with recovery"))
