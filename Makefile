@@ -75,12 +75,12 @@ cluster-ha: $(STAMP) $(HA_STAMP)
 	$(BIN)/python -m devtools.cluster_ha --replicas $(REPLICAS) --base-port $(HA_BASE_PORT)
 
 # The chaos soak on the HA cluster (docs/failover.md#the-soak); non-zero exit on any violation.
-# Two primaries killed, a switchover, a stall past the TTL and, as root with iproute2's `ip`, a
-# partition (each node in a network namespace of its own, the primary's link cut and restored;
-# without them it says so and skips it): about 7 minutes. PAYMENTS and SECONDS
+# Two primaries killed, a switchover, a stall past the TTL, both standbys stopped and, as root with
+# iproute2's `ip`, a partition (each node in a network namespace of its own, the primary's link cut
+# and restored; without them it says so and skips it): about 7 minutes. PAYMENTS and SECONDS
 # are shared with `make soak`: here they default to 450 and 180 (the failovers need the time).
-# SHORT=1: one primary kill, one switchover and the partition, 150 payments over 60 s: about 4
-# minutes (CI's).
+# SHORT=1: one primary kill, one switchover, both standbys stopped and the partition, 150 payments
+# over 60 s: about 4 minutes (CI's).
 # ASYNC_LAG=3: asynchronous replication instead, the standbys held 3 s behind before each of KILLS
 # kills: what it loses (docs/failover.md#what-asynchronous-replication-costs; a report, exit 0).
 KILLS ?= 2

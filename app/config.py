@@ -69,6 +69,12 @@ class Settings(BaseSettings):
     database_url: str = Field(
         description="PostgreSQL holding the key table, payments and ledger."
     )
+    # Where the operator console's pages and the read model read, and nothing
+    # else: a standby that may lag (docs/failover.md#reads-on-a-standby).
+    # Unset, they read DATABASE_URL. A payment's path and the console's
+    # sessions never read here: a client reads its own writes, and a logout
+    # takes effect at once, only on the primary.
+    database_read_url: str | None = None
     psp_url: str = "http://127.0.0.1:8101"
     rail_url: str = "http://127.0.0.1:8102"
     # What the rail can do, from configuration (we cannot ask it). A legacy
@@ -106,6 +112,13 @@ class Settings(BaseSettings):
     # route answers them.
     replay_shortcut: bool = True
     db_pool_size: int = Field(default=20, ge=1)
+    # How long one phase's statements and commit may take at the database
+    # before the service drops the connection (no cancel request) and answers
+    # 503 with Retry-After (app/db/transaction.py::_bounded). What it bounds:
+    # a commit that waits for a synchronous standby when none is left. A
+    # request can meet it twice (a phase, then the release of its lease), so
+    # twice this stays under a balancer's read timeout (devtools/nginx.py).
+    db_phase_timeout_seconds: float = Field(default=2.0, gt=0)
     # What one client can make an API process hold (README.md#bounds-on-input,
     # app/api/http_protocol.py). A request body must arrive within
     # BODY_TIMEOUT_SECONDS of its headers (408 after it). One peer (an IPv4
@@ -369,7 +382,8 @@ class Settings(BaseSettings):
             return value
         return value.lower() if value.lower() in ("json", "console") else value.upper()
 
-    @field_validator("database_url")
+    @field_validator("database_url", "database_read_url")
     @classmethod
-    def _postgres_only(cls, value: str) -> str:
-        return asyncpg_url(value)
+    def _postgres_only(cls, value: str | None) -> str | None:
+        # An empty DATABASE_READ_URL is unset, as a blank line in an env file means.
+        return asyncpg_url(value) if value else None

@@ -111,6 +111,11 @@ class _Recorder:
     def connect(self) -> _Recorder:
         return self
 
+    def get_execution_options(self) -> dict[str, Any]:
+        # No phase bound (app/db/transaction.py::_bounded): nothing here waits on a server. Asked of the
+        # connection too (it is this same object), by app/db/driver.py: no driver path either.
+        return {}
+
     def begin(self) -> _Recorder:
         return self
 
@@ -125,13 +130,11 @@ class _Recorder:
         return self
 
     # What app/db/driver.py asks a connection before sending a statement to
-    # asyncpg itself: no options here, so every statement comes to execute().
+    # asyncpg itself (the engine's get_execution_options, above): no options
+    # here, so every statement comes to execute().
     @property
     def sync_connection(self) -> _Recorder:
         return self
-
-    def get_execution_options(self) -> dict[str, Any]:
-        return {}
 
     async def execute(self, statement: Any, params: dict[str, Any]) -> _Result:
         return _Result(self._note(statement.text, dict(params)))

@@ -3,7 +3,8 @@
 `python -m devtools.cluster_ha --replicas 3` (what `make cluster-ha` runs)
 starts the HA database of devtools/ha.py (three etcd members, three
 PostgreSQL nodes under Patroni in synchronous mode, HAProxy routing to the
-primary), then what `make cluster` starts (devtools/cluster.py: API
+primary, and a second HAProxy listener routing the console's page reads to a
+standby: DATABASE_READ_URL), then what `make cluster` starts (devtools/cluster.py: API
 replicas and two workers behind nginx, the fake PSP and rail) with
 DATABASE_URL at HAProxy. The fakes' records are on the embedded server of
 `make run` (database `ha_rails`), outside the cluster: other people's
@@ -30,7 +31,7 @@ from devtools.system import System, with_database
 def main() -> None:
     cli = parser("python -m devtools.cluster_ha", __doc__.splitlines()[0])
     cli.add_argument("--base-port", type=int, default=int(os.environ.get("HA_BASE_PORT", "0")),
-                     help="etcd, PostgreSQL, Patroni and HAProxy on the 14 ports from here (default: free ones)")
+                     help="etcd, PostgreSQL, Patroni and HAProxy on the 15 ports from here (default: free ones)")
     args = cli.parse_args()
     console = Console()
     if find_programs() is None:
@@ -44,6 +45,8 @@ def main() -> None:
             ha.start()
         embedded_db.create_database(ha.url, "payments")
         url = system.use_database(with_database(ha.url, "payments"))
+        # The console's pages read on a standby; everything else on the primary.
+        system.settings["DATABASE_READ_URL"] = with_database(ha.read_url, "payments")
         with console.status("starting the embedded PostgreSQL for the fakes' records"):
             system.start_postgres()
         records = system.create_database("ha_rails", fresh=False, migrate=False)
@@ -53,6 +56,8 @@ def main() -> None:
         leader = ha.leader()
         console.print(f"HAProxy    postgresql://127.0.0.1:{ha.haproxy_port}   (DATABASE_URL: the primary, "
                       f"now {leader.name if leader else '?'}; stats http://127.0.0.1:{ha.stats_port}/)")
+        console.print(f"HAProxy    postgresql://127.0.0.1:{ha.read_port}   (DATABASE_READ_URL: a standby, for the "
+                      f"console's pages; the primary if none is up)")
         for node in ha.nodes:
             console.print(f"{node.name:<10} postgresql://127.0.0.1:{node.pg_port}   Patroni {node.rest}")
         console.print(f"etcd       {ha.etcd_hosts}   (logs: {ha.logs})")

@@ -17,7 +17,9 @@ explains the design; this module starts it:
    connection to the node whose Patroni answers 200 on /primary (it runs as
    primary and holds the leader key), and closing every connection to a
    node as soon as it stops answering so: the service's one DATABASE_URL
-   follows the leader, and no connection stays on a demoted node.
+   follows the leader, and no connection stays on a demoted node; and on a
+   second port, the console's page reads (DATABASE_READ_URL) to a standby
+   whose Patroni answers 200 on /replica, or to the primary if none does.
 
 `HaCluster` starts all of it in a directory of its own, and knows how to
 find the leader, switch over, and kill or freeze a node (for the soak).
@@ -53,6 +55,8 @@ INSTALL_HINT = "etcd and HAProxy are needed: apt-get install etcd-server haproxy
 # etcd could lose its key while still serving.
 TTL, LOOP_WAIT, RETRY_TIMEOUT = 20, 2, 5
 MAX_CONNECTIONS = embedded_db.MAX_CONNECTIONS
+# How far behind (in WAL) a standby may be and still serve the console's pages (docs/failover.md#reads-on-a-standby).
+READ_LAG = "1MB"
 
 
 def find_programs() -> dict[str, str] | None:
@@ -138,6 +142,7 @@ class HaCluster:
         self.etcd_ports = [(ports.next(), ports.next()) for _ in range(3)]  # (client, peer)
         self.node_ports = [(ports.next(), ports.next()) for _ in range(nodes)]  # (postgres, REST)
         self.haproxy_port, self.stats_port = ports.next(), ports.next()
+        self.read_port = ports.next()  # the standbys, for the console's pages (DATABASE_READ_URL)
         self.programs = find_programs() or {}
         # Each node in a namespace of its own, so that its link can be cut (the soak's partition).
         self.network = netns.Network([f"pg{n}" for n in range(1, nodes + 1)]) if namespaces else None
@@ -158,6 +163,11 @@ class HaCluster:
     def patronictl(self) -> str:
         """The patronictl command line for this cluster (any node's configuration names etcd and the scope)."""
         return f"{PATRONI_VENV / 'bin' / 'patronictl'} -c {self.root / 'pg1' / 'patroni.json'}"
+
+    @property
+    def read_url(self) -> str:
+        """The maintenance database through HAProxy's read listener: a standby, else the primary."""
+        return f"postgresql://postgres@127.0.0.1:{self.read_port}/postgres"
 
     @property
     def etcd_hosts(self) -> str:
@@ -275,6 +285,10 @@ class HaCluster:
                             "max_replication_slots": 10,
                             "wal_keep_size": "256MB",
                             "timezone": "UTC",
+                            # The console's pages read on the standbys (DATABASE_READ_URL): without
+                            # it, a standby cancels a page's read whose rows the WAL it replays
+                            # removes ("conflict with recovery").
+                            "hot_standby_feedback": "on",
                         },
                     },
                 },
@@ -333,6 +347,7 @@ listen primary
     http-check expect status 200
     default-server inter 1s fastinter 500ms fall 2 rise 1 on-marked-down shutdown-sessions
 {servers}
+{self._read_listener()}
 listen stats
     mode http
     bind 127.0.0.1:{self.stats_port}
@@ -342,6 +357,36 @@ listen stats
         self.haproxy = Process("haproxy", [self.programs["haproxy"], "-db", "-f", str(config)], child_env(),
                                self.logs / "haproxy.log", grace=5)
         self._spawn(self.haproxy)
+
+    def _read_listener(self) -> str:
+        """HAProxy's second listener, DATABASE_READ_URL: the console's pages on the standbys.
+
+        Patroni answers 200 on /replica on a running standby, and with `lag` only while it is no more than
+        READ_LAG of WAL behind the primary's last position in etcd (written every loop). With no such
+        standby (both gone, or both behind), the pages read the primary instead: they work, merely
+        without sparing it. Never a route for writes, nor for a read that a payment depends on."""
+        def servers(check: str) -> str:
+            return "\n".join(f"    server {node.name}{check} {node.host}:{node.pg_port} maxconn {MAX_CONNECTIONS} "
+                             f"check port {node.rest_port}" for node in self.nodes)
+
+        checks = "    default-server inter 1s fastinter 500ms fall 2 rise 1 on-marked-down shutdown-sessions"
+        return f"""frontend reads
+    bind 127.0.0.1:{self.read_port}
+    use_backend standbys if {{ nbsrv(standbys) gt 0 }}
+    default_backend primary_for_reads
+backend standbys
+    balance leastconn
+    option httpchk
+    http-check send meth GET uri /replica?lag={READ_LAG}
+    http-check expect status 200
+{checks}
+{servers("")}
+backend primary_for_reads
+    option httpchk
+    http-check send meth GET uri /primary
+    http-check expect status 200
+{checks}
+{servers("-primary")}"""
 
     def _spawn(self, process: Process) -> None:
         process.start()

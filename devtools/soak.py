@@ -838,6 +838,10 @@ class Hooks:
         """More figures for the report."""
         return {}
 
+    def extra_payments(self) -> list[Payment]:
+        """Payments the variant made itself during the chaos run, to be audited with the rest."""
+        return []
+
     def judge(self, report: audit.Report) -> None:
         """More violations, of what the variant checks itself."""
 
@@ -959,6 +963,7 @@ async def soak(args: argparse.Namespace, cluster: Cluster, results: Path, consol
                 await upload(session, cluster.balancer.url, cluster.api_key, for_kills.pop(0), time.monotonic() + budget)
         chaos_rate = len(chaotic) / max(end - start, 1e-9)
         console.print(f"  {chaos_rate:.1f} payments/s ({end - start:.1f} s)")
+        everyone += hooks.extra_payments()
 
         console.rule("calm phase: faults cleared, everything up, drain, close the days, reconcile, drain")
         await chaos.clear_faults()

@@ -1,7 +1,7 @@
 """Development tooling, not the payment path: `make soak-ha`, the chaos soak on a database that fails over.
 
     python -m devtools.soak_ha --seed 1 --payments 450 --seconds 180 --kills 2
-    python -m devtools.soak_ha --short            # what CI runs: one kill, one switchover, a partition
+    python -m devtools.soak_ha --short            # what CI runs: one kill, one switchover, standbys gone, a partition
 
 The soak of `make soak` (devtools/soak.py: calm run, chaos run, calm phase,
 the three-way audit), with our database on the HA cluster of devtools/ha.py
@@ -32,6 +32,16 @@ finished before the next starts:
   the moment it is cut, again once it is demoted, again the moment its
   link is restored, and again once it has rejoined as a standby, which it
   must; an acknowledged one fails the run.
+- `standbys_gone`: both standbys stopped (SIGSTOP of their Patroni and
+  PostgreSQL) while the primary stays, so in strict synchronous mode every
+  commit waits; payments offered then must each be answered 503 with
+  Retry-After within the service's bound (DB_PHASE_TIMEOUT_SECONDS, twice,
+  below nginx's read timeout), never a 500 or a 504; then the standbys come
+  back and the same payments, retried with their keys, must finish exactly
+  once (they join the audit). No node's log may show a synchronous wait
+  cancelled by a request meanwhile ("canceling wait for synchronous
+  replication due to user request"): the service gives up on a waiting
+  commit by dropping its connection, never by cancelling it.
 
 The audit adds, to the soak's checks: every final answer a client got is
 asked again at the end and must come back byte for byte; every PSP charge
@@ -46,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import shutil
@@ -54,28 +65,50 @@ import statistics
 import tempfile
 import threading
 import time
+import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import asyncpg
 import httpx
 from rich.console import Console
 
+from app.config import Settings
 from devtools import embedded_db, netns, soak
+from devtools.bodies import payment_body
 from devtools.ha import INSTALL_HINT, TTL, HaCluster, find_programs
 from devtools.processes import child_env, free_port
-from devtools.system import System
+from devtools.system import System, with_database
 
 FAILOVERS = ("kill_primary", "switchover", "stall_primary", "partition_primary")
 # CI's short run keeps the partition: what it adds to the run is measured in docs/failover.md#figures.
 SHORT = {"payments": 150, "seconds": 60, "kills": 1, "stall": False, "partition": True}
+# standbys_gone: payments offered while both standbys are stopped, one a second, and how long they stay
+# stopped at least; the service's bound on one wait at the database (its default), met at most twice
+# per request, below nginx's read timeout.
+GONE_PROBES, GONE_SECONDS = 6, 10.0
+PHASE_BOUND = Settings.model_fields["db_phase_timeout_seconds"].default
+ANSWER_LIMIT = 2 * PHASE_BOUND + 0.5
+CANCELLED_SYNC_WAIT = b"canceling wait for synchronous replication due to user request"
 
 
 class HaChaos(soak.Chaos):
     """The soak's chaos without its PostgreSQL restart: the failovers of HaHooks take its place."""
 
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        # Set by standbys_gone while it times answers: a replica frozen then would cost nginx's
+        # read timeout by itself, whatever the database does, so none is frozen meanwhile.
+        self.no_freezing = threading.Event()
+
     def first_actions(self) -> list[Any]:
         return [a for a in super().first_actions() if a != self.restart_postgres]
+
+    async def freeze_api(self) -> None:
+        if not self.no_freezing.is_set():
+            await super().freeze_api()
 
 
 class HaHooks(soak.Hooks):
@@ -92,6 +125,8 @@ class HaHooks(soak.Hooks):
         self.partition_skipped = partition_skipped
         self.ha: HaCluster  # made by start_cluster
         self.events: list[dict[str, Any]] = []
+        self.probes: list[soak.Payment] = []  # made by standbys_gone, audited with the rest
+        self.results: Path  # set by start_cluster
 
     def chaos(self, cluster: soak.Cluster, rng: Any, reject_refs: list[str], console: Console) -> soak.Chaos:
         self.soak_chaos = HaChaos(cluster, rng, reject_refs, console)
@@ -222,6 +257,92 @@ class HaHooks(soak.Hooks):
             event["old_primary_by_its_agent"] = " -> ".join(f"{s['seconds']} s {s['role']}/{s['state']}"
                                                             for s in seen)
 
+    def standbys_gone(self, event: dict[str, Any]) -> None:
+        leader = self._leader()
+        standbys = [n for n in self.ha.nodes if n is not leader]
+        self.soak_chaos.no_freezing.set()
+        deadline = time.monotonic() + 30
+        while self.soak_chaos.c.frozen and time.monotonic() < deadline:
+            time.sleep(0.2)  # until a replica frozen before is thawed, bounded
+        logs = {path: path.stat().st_size for path in self.ha.logs.glob("patroni-*.log")}
+        event["at"] = time.time()
+        stopped = [pid for node in standbys for pid in node.signal_all(signal.SIGSTOP)]
+        event["node"] = leader.name
+        try:
+            asyncio.run(self._offer_while_gone(event, leader.host, leader.pg_port))
+        finally:
+            for pid in stopped:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            self.soak_chaos.no_freezing.clear()
+        event["gone_seconds"] = round(time.time() - event["at"], 1)
+        back = time.time()
+        asyncio.run(self._finish_probes(event, back))
+        self.ha.wait_healthy(120)
+        event["rejoined_seconds"] = round(time.time() - event["at"], 1)
+        event["cancelled_sync_waits"] = sum(_appended(path, size).count(CANCELLED_SYNC_WAIT)
+                                            for path, size in logs.items())
+
+    async def _offer_while_gone(self, event: dict[str, Any], primary_host: str, primary_port: int) -> None:
+        """GONE_PROBES new payments, one a second, each POSTed once through nginx: what came back, how soon."""
+        cluster = self.soak_chaos.c
+        seed = len(self.probes)
+        probes = [soak.Payment(f"soak-standbys-gone-{seed + i}", "normal", str(uuid.uuid4()),
+                               payment_body(f"soak-standbys-gone-{seed + i}"), "chaos") for i in range(GONE_PROBES)]
+        self.probes += probes
+        headers = {"Authorization": f"Bearer {cluster.api_key}", "Content-Type": "application/json"}
+        answers: list[dict[str, Any]] = []
+        started = time.monotonic()
+
+        async def offer(http: aiohttp.ClientSession, i: int, p: soak.Payment) -> None:
+            await asyncio.sleep(max(0.0, started + i - time.monotonic()))  # the offered rate, one a second
+            sent = time.monotonic()
+            try:
+                async with http.post(f"{cluster.balancer.url}/v1/payments", data=json.dumps(p.body),
+                                     headers=headers | {"Idempotency-Key": p.key}) as r:
+                    answer = {"status": r.status, "type": r.headers.get("Content-Type"),
+                              "retry_after": r.headers.get("Retry-After")}
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                answer = {"status": type(exc).__name__}
+            answer["seconds"] = round(time.monotonic() - sent, 2)
+            p.statuses[str(answer["status"])] += 1  # the audit's no_500 sees it
+            answers.append(answer)
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            await asyncio.gather(*(offer(http, i, p) for i, p in enumerate(probes)))
+        await asyncio.sleep(max(0.0, started + GONE_SECONDS - time.monotonic()))  # gone at least this long
+        primary = await asyncpg.connect(f"postgresql://postgres@{primary_host}:{primary_port}/postgres")
+        try:  # a read: it waits for no standby
+            event["commits_waiting"] = await primary.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'")
+        finally:
+            await primary.close()
+        event["answers"] = dict(Counter(str(a["status"]) for a in answers))
+        event["answer_max_seconds"] = max(a["seconds"] for a in answers)
+        event["bounded"] = all(a["status"] == 503 and a.get("retry_after") and a["seconds"] <= ANSWER_LIMIT
+                               and a.get("type") == "application/problem+json" for a in answers)
+        event["answers_detail"] = answers
+
+    async def _finish_probes(self, event: dict[str, Any], back: float) -> None:
+        """The standbys are back: each probe retried with its key, as the soak's clients do, until final."""
+        cluster = self.soak_chaos.c
+        journal = soak.Journal(self.results / "standbys-gone-keys.jsonl")
+        probes = self.probes[-GONE_PROBES:]
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+                clients = soak.Clients(http, cluster.balancer.url, cluster.api_key, journal, asyncio.Lock())
+                await asyncio.gather(*(clients.answer(p, time.monotonic() + 180) for p in probes))
+        finally:
+            journal.close()
+        finals = [p.answered_at - back for p in probes if p.answered_at is not None]
+        event["first_final_after_back_seconds"] = round(min(finals), 1) if finals else None
+        event["last_final_after_back_seconds"] = round(max(finals), 1) if finals else None
+
+    def extra_payments(self) -> list[soak.Payment]:
+        return self.probes
+
     def _leader(self) -> Any:
         self.ha.wait_healthy(120)
         self.ha.wait_routed(60)
@@ -253,6 +374,11 @@ class HaHooks(soak.Hooks):
             for probe in PARTITION_PROBES:
                 if event.get(probe, {}).get("outcome") == "acknowledged":
                     report.violate("old_primary_fenced", None, node=event["node"], probe=probe)
+            if event["action"] == "standbys_gone" and not event.get("bounded"):
+                report.violate("standbys_gone_503_within_bound", None, answers=event.get("answers_detail"),
+                               limit_seconds=ANSWER_LIMIT)
+            if event.get("cancelled_sync_waits"):
+                report.violate("no_cancelled_sync_wait", None, lines=event["cancelled_sync_waits"])
 
     async def everything_up(self, cluster: soak.Cluster) -> None:
         await soak.everything_up(cluster)
@@ -284,6 +410,8 @@ class HaHooks(soak.Hooks):
                 "routed_max_seconds": max(routed) if routed else None,
             }
         fence = [e["direct_write_to_old_primary"] for e in self.events if "direct_write_to_old_primary" in e]
+        gone = [{k: v for k, v in e.items() if k != "answers_detail"} for e in self.events
+                if e["action"] == "standbys_gone"]
         partitions = [{k: e.get(k) for k in ("node", "demoted_seconds", *PARTITION_PROBES, "old_primary_by_its_agent",
                                              "rejoined_as", "rejoined_seconds")}
                       for e in self.events if e["action"] == "partition_primary"]
@@ -291,9 +419,16 @@ class HaHooks(soak.Hooks):
                 "partition": partitions, "partition_skipped": self.partition_skipped,
                 "network": ("each node in a network namespace of its own on a bridge, "
                             f"{self.ha.network.subnet}" if self.ha.network else "loopback"),
-                "failover_recovery": recovery,
+                "failover_recovery": recovery, "standbys_gone": gone,
                 "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}",
                 "patroni": {"ttl": TTL, "synchronous_mode": True, "synchronous_mode_strict": True}}
+
+
+def _appended(path: Path, since: int) -> bytes:
+    """What a log gained after it was `since` bytes long."""
+    with path.open("rb") as log:
+        log.seek(since)
+        return log.read()
 
 
 PROBE_WRITE = "CREATE TEMP TABLE fence_probe (at timestamptz) ON COMMIT DROP"
@@ -399,6 +534,7 @@ def start_cluster(hooks: HaHooks) -> Any:
         # Not under /tmp/pytest-of-*, whose mode other sessions reset (as soak.py's servers).
         root = Path(tempfile.mkdtemp(prefix="payments-soak-ha-"))
         system.defer(shutil.rmtree, root, True)
+        hooks.results = results
         ha = hooks.ha = HaCluster(root / "ha", base_port=hooks.base_port, logs=results / "logs" / "ha",
                                   synchronous=not hooks.lag, namespaces=hooks.namespaces)
         try:
@@ -412,6 +548,8 @@ def start_cluster(hooks: HaHooks) -> Any:
             rails_url = rails_server.url("rails")
             system.start_postgres(server_url=ha.url)
             system.create_database("payments")
+            # The console's pages on a standby, as make cluster-ha does (nothing in the soak reads them).
+            system.settings["DATABASE_READ_URL"] = with_database(ha.read_url, "payments")
             _, api_key = system.create_client("soak")
             system.start_fakes(records_url=rails_url,
                                rail_args=("--legacy-accounts", soak.LEGACY_IBAN, "--cutoff", "24:00"))
@@ -442,6 +580,13 @@ def print_failovers(console: Console, figures: dict[str, Any]) -> None:
                 console.print(f"  {probe.replace('_', ' ')} (from inside its namespace): {w['outcome']} after "
                               f"{w['seconds']} s{waited}")
         console.print(f"  streaming again, as {p['rejoined_as']}, {p['rejoined_seconds']} s after the cut")
+    for e in figures["standbys_gone"]:
+        console.print(f"standbys gone {e.get('gone_seconds')} s: payments offered then answered {e.get('answers')}, "
+                      f"slowest {e.get('answer_max_seconds')} s (limit {ANSWER_LIMIT} s), {e.get('commits_waiting')} "
+                      f"commits waiting; after the standbys came back, first final answer "
+                      f"{e.get('first_final_after_back_seconds')} s, last {e.get('last_final_after_back_seconds')} s; "
+                      f"synchronous waits cancelled by a request meanwhile, in the nodes' logs: "
+                      f"{e.get('cancelled_sync_waits')}")
     for action, r in figures["failover_recovery"].items():
         if r["count"]:
             console.print(f"{action} x{r['count']}: new primary routed in median {r['routed_median_seconds']} s, "
@@ -458,12 +603,14 @@ def main() -> None:
                         help="leave out the partition (and the namespaces it needs)")
     parser.add_argument("--short", action="store_true",
                         help=f"CI's: {SHORT['payments']} payments over {SHORT['seconds']} s per run, one kill, "
-                             "one switchover, a partition where namespaces can be made, no stall")
+                             "one switchover, both standbys stopped, a partition where namespaces can be made, no stall")
+    parser.add_argument("--no-standbys-gone", action="store_true",
+                        help="leave out stopping both standbys (payments answered 503 within the bound, then once)")
     parser.add_argument("--async-lag", type=float, default=0, metavar="SECONDS",
                         help="asynchronous replication, the standbys held SECONDS behind before each kill, no "
                              "switchover or stall: what it loses (a report: exit 0 whatever the audit finds)")
     parser.add_argument("--base-port", type=int, default=0,
-                        help="etcd, PostgreSQL, Patroni and HAProxy on the 14 ports from here (default: free ones)")
+                        help="etcd, PostgreSQL, Patroni and HAProxy on the 15 ports from here (default: free ones)")
     # Longer than `make soak`'s runs: the failovers, one after another, take about three minutes.
     parser.set_defaults(payments=450, seconds=180)
     args = parser.parse_args()
@@ -485,12 +632,14 @@ def main() -> None:
             partition_skipped = f"network namespaces cannot be made here ({partition_skipped}): no partition"
             console.print(f"[bold red]PARTITION NOT RUN: {partition_skipped}[/]")
     plan += ["kill_primary"] * (args.kills - 1)
+    plan += ["standbys_gone"] if not args.no_standbys_gone else []
     if args.async_lag:
         plan = ["kill_primary"] * args.kills
     args_text = ("--short" if args.short else f"--payments {args.payments} --seconds {args.seconds:g} "
                  f"--kills {args.kills}" + (" --no-stall" if args.no_stall else "")
                  + (" --no-partition" if args.no_partition else "")
-                 + (f" --async-lag {args.async_lag:g}" if args.async_lag else ""))
+                 + (f" --async-lag {args.async_lag:g}" if args.async_lag else "")
+                 + (" --no-standbys-gone" if args.no_standbys_gone else ""))
     command = f"python -m devtools.soak_ha --seed {args.seed} --replicas {args.replicas} {args_text}"
     hooks = HaHooks(plan, console, command, args.base_port, args.async_lag, partition_skipped)
     try:

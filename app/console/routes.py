@@ -17,6 +17,12 @@ Every POST is refused (403) unless it comes from the console's own pages
 SELECT each, the connection back in the pool when it returns); only the
 operation page then asks the PSP and the rail (records.py), with no
 connection held.
+
+The pages read through `services.read_model` (DATABASE_READ_URL: perhaps a
+standby, a moment behind the primary: docs/failover.md#reads-on-a-standby).
+Logging in, the session check of every request and logging out use
+`services.engine`, the primary, always: a session revoked on the primary
+but still open on a lagging standby would outlive its logout.
 """
 
 from __future__ import annotations
@@ -228,8 +234,8 @@ def _filters(request: Request) -> tuple[queries.Filters, uuid.UUID | None, list[
 @router.get("")
 async def operations(request: Request, services: Services = Operator) -> Response:
     filters, before, problems = _filters(request)
-    result = await read(services.engine, queries.operations, filters, before=before)
-    clients = await read(services.engine, queries.clients)
+    result = await read(services.read_model, queries.operations, filters, before=before)
+    clients = await read(services.read_model, queries.clients)
     chosen = {k: v for k, v in request.query_params.items() if k != "before" and v}
     older = None
     if result.older is not None:
@@ -248,12 +254,12 @@ async def operation(request: Request, payment_id: str, services: Services = Oper
         pid = uuid.UUID(payment_id)
     except ValueError:
         pid = None
-    found = pid and await read(services.engine, queries.operation, pid)
+    found = pid and await read(services.read_model, queries.operation, pid)
     if not found:
         return page(request, "not_found.html", {"nav": "operations", "what": f"payment {payment_id}"}, 404)
     # The reads are done and their connection is back in the pool: only now the PSP and the rail.
     deduplicates = services.rail.deduplicates(_IbanOnly(found.payment.get("beneficiary_iban", "")))
-    events = await read(services.engine, queries.payment_events, pid)
+    events = await read(services.read_model, queries.payment_events, pid)
     held = await records.records(services.psp, services.rail, found.payment, rail_deduplicates=deduplicates,
                                  refunds=found.refunds)
     diagram = timeline.layout(found.timeline, found.payment, finished=found.row.state == "finished",
@@ -278,15 +284,15 @@ class _IbanOnly:
 
 @router.get("/parked")
 async def parked(request: Request, services: Services = Operator) -> Response:
-    rows, total = await read(services.engine, queries.parked)
-    backlog = await read(services.engine, queries.backlog)
+    rows, total = await read(services.read_model, queries.parked)
+    backlog = await read(services.read_model, queries.backlog)
     return page(request, "parked.html", {"nav": "parked", "rows": rows, "total": total, "backlog": backlog})
 
 
 @router.get("/reconciliation")
 async def reconciliation(request: Request, services: Services = Operator) -> Response:
-    runs = await read(services.engine, queries.runs)
-    breaks = await read(services.engine, queries.breaks)
+    runs = await read(services.read_model, queries.runs)
+    breaks = await read(services.read_model, queries.breaks)
     return page(request, "reconciliation.html", {"nav": "reconciliation", "runs": runs, "breaks": breaks})
 
 
@@ -295,8 +301,8 @@ async def webhooks(request: Request, state: str = "dead", services: Services = O
     if state not in queries.DELIVERY_STATES:
         state = "dead"
     limit = 100
-    rows = await read(services.engine, queries.deliveries, state, limit=limit)
-    undelivered = await read(services.engine, queries.undelivered)
+    rows = await read(services.read_model, queries.deliveries, state, limit=limit)
+    undelivered = await read(services.read_model, queries.undelivered)
     return page(request, "webhooks.html", {
         "nav": "webhooks", "rows": rows, "state": state, "states": queries.DELIVERY_STATES,
         "undelivered": undelivered, "limit": limit,

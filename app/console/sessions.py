@@ -9,7 +9,9 @@ A session opens the console while it is not revoked (logout sets
 login) and made under the OPERATOR_TOKEN in force: each row keeps a
 fingerprint of the token, so a new token ends every older session even
 though no row was touched. Each login first purges the sessions that have
-ended, so the table holds about one row per live login.
+ended, so the table holds about one row per live login. Every statement
+here runs on the primary (`Services.engine`), never on the pages' read
+engine, which may be a standby still showing a revoked session as open.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Everything the service reads and writes goes through it and
 `app.db.transaction`, which lends its connections out one phase at a time.
+The console's pages may read through a second one, on a standby
+(`build_read_engine`, DATABASE_READ_URL); nothing else does.
 (The replay shortcut's one read has a small pool of its own, behind the
 door of optimisations: app/fastpath/lookup_pool.py.)
 """
@@ -16,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from app.config import Settings
 from app.db.driver import DRIVER_STATEMENTS
+from app.db.transaction import PHASE_TIMEOUT
 
 # Leases are compared with now() on the server, never with this process's
 # clock; UTC keeps the timestamps we print unambiguous.
@@ -34,21 +37,46 @@ SERVER_SETTINGS = {"timezone": "UTC", "plan_cache_mode": "force_generic_plan"}
 
 
 def build_engine(settings: Settings) -> AsyncEngine:
+    """The engine of DATABASE_URL, the primary: every write, and every read on a payment's path.
+
+    Its phases are bounded by DB_PHASE_TIMEOUT_SECONDS (app/db/transaction.py::_bounded), and a phase's
+    lone statement goes to asyncpg itself (an optimisation, app/db/driver.py; off with every other one when
+    REPLAY_SHORTCUT=false).
+    """
+    return _engine(settings.database_url, settings.db_pool_size, {
+        PHASE_TIMEOUT: settings.db_phase_timeout_seconds, DRIVER_STATEMENTS: settings.replay_shortcut,
+    })
+
+
+def build_read_engine(settings: Settings) -> AsyncEngine | None:
+    """The engine of DATABASE_READ_URL, which may be a standby; None if it is not set (read DATABASE_URL).
+
+    Only the read model's queries use it (app/console/routes.py's pages):
+    what it answers may be a moment old. A few connections, because a page
+    is a person's click, not a client's traffic.
+    """
+    if settings.database_read_url is None:
+        return None
+    return _engine(settings.database_read_url, READ_POOL_SIZE, {})
+
+
+READ_POOL_SIZE = 4
+
+
+def _engine(url: str, pool_size: int, options: dict[str, float | bool]) -> AsyncEngine:
     engine = create_async_engine(
-        settings.database_url,
+        url,
+        execution_options=options,
         # A statement's parameters are card tokens, names, IBANs and API key
         # hashes; SQLAlchemy puts them into the text of every database error
         # ("[parameters: ...]"), which is then logged. Never.
         hide_parameters=True,
-        pool_size=settings.db_pool_size,
+        pool_size=pool_size,
         max_overflow=0,
         # No ping per checkout (a round trip on every phase); a connection the
         # server closed is replaced at checkout instead, below.
         pool_pre_ping=False,
         connect_args={"server_settings": SERVER_SETTINGS},
-        # A phase's lone statement goes to asyncpg itself (an optimisation,
-        # app/db/driver.py); off with every other one when REPLAY_SHORTCUT=false.
-        execution_options={DRIVER_STATEMENTS: settings.replay_shortcut},
     )
     install_listeners(engine)
     return engine

@@ -84,6 +84,10 @@ def _says_unavailable(exc: BaseException) -> bool:
         return True  # QueuePool: no connection could be had in time
     if isinstance(exc, _SERVER_GONE):
         return True
+    if isinstance(exc, asyncpg.SerializationError) and "conflict with recovery" in str(exc):
+        # A standby cancelled a page's read because the WAL it replays removes
+        # rows the read could still see (DATABASE_READ_URL): try again later.
+        return True
     if isinstance(exc, asyncpg.InternalClientError):
         return "another operation (2) is in progress" in str(exc)  # an unsolicited FATAL (docs/crash-matrix.md#telling-an-outage-from-a-bug)
     if isinstance(exc, asyncpg.InterfaceError):

@@ -2,6 +2,9 @@
 
 Where it sits: under the console's pages (app/console/routes.py), beside
 app.payments, above the database; nothing on a payment's path imports it.
+The pages run these on `Services.read_model`, which may be a standby a
+moment behind (DATABASE_READ_URL), so nothing here may be used to decide
+anything, only to show it.
 The key table's list is paged by keyset on the time-ordered `payment_id`,
 never by OFFSET, and filters are fixed SQL fragments chosen by name, with
 values bound as parameters: nothing a reader types becomes SQL text.

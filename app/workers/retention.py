@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.errors import database_unavailable, describe, loggable
-from app.db.transaction import atomic, autocommit, read
+from app.db.transaction import atomic, autocommit, maintenance, read
 from app.idempotency import partitions
 from app.idempotency.partitions import Partition, Plan
 from app.idempotency.key_table import LeaseLost
@@ -85,7 +85,7 @@ async def reap(engine: AsyncEngine, retention: timedelta, *, dry_run: bool = Fal
                 report.kept.append(partition.name)
                 log.info("key partition %s kept: %d live rows held by their owners", partition.name, plan.live - moved)
                 continue
-        if await atomic(engine, _drop, partition, cutoff, run):
+        if await maintenance(engine, _drop, partition, cutoff, run):
             report.dropped.append(partition.name)
         else:
             report.kept.append(partition.name)

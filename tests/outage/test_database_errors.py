@@ -13,6 +13,7 @@ is not there: every path answers 503 problem+json, never 500.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import asyncpg
@@ -22,8 +23,9 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from app.config import Settings, asyncpg_url
-from app.db.engine import install_listeners
+from app.db.engine import build_engine, install_listeners
 from app.db.errors import database_unavailable, describe
+from app.db.transaction import atomic, autocommit, maintenance, one_statement, read
 from app.main import create_app
 from devtools.processes import free_port
 from tests.support import payment_body
@@ -135,6 +137,47 @@ async def test_a_pooled_connection_used_as_the_server_says_goodbye_is_unavailabl
 
     assert database_unavailable(farewell)
     assert not database_unavailable(misuse)
+
+
+async def test_a_phase_past_its_bound_is_dropped_not_cancelled_but_reads_and_upkeep_are_not_bounded(server_url):
+    """Catches: a phase left waiting at the database without end (a commit for a synchronous standby that never
+    comes), a bound enforced with a cancel request (which makes such a commit visible on the primary before any
+    standby has it: docs/failover.md), and a bound that cuts reconciliation's or the reaper's long statements."""
+    bound = 0.5
+    engine = build_engine(Settings(database_url=server_url, db_phase_timeout_seconds=bound, db_pool_size=1))
+
+    async def sleep(conn, seconds: float) -> int:
+        # pg_sleep stands for any wait at the server: a lock, or a commit waiting for a standby.
+        return (await conn.execute(text(f"SELECT pg_backend_pid(), pg_sleep({seconds})"))).first()[0]
+
+    watcher = await asyncpg.connect(server_url)
+    try:
+        for unbounded in (read, autocommit, maintenance):
+            await unbounded(engine, sleep, bound * 2)
+        pid = await read(engine, sleep, 0)
+        for phase in (atomic, one_statement):
+            started = time.monotonic()
+            dropped = await raised(phase(engine, sleep, 30))
+            assert time.monotonic() - started < bound + 1.5, "given up on at the bound"
+            assert database_unavailable(dropped), describe(dropped)
+            # Dropped, not cancelled: the server still runs what it was given (a cancel request would have
+            # ended the sleep, as it would have ended a commit's wait for its standby, leaving the commit).
+            assert await watcher.fetchval(
+                "SELECT state FROM pg_stat_activity WHERE pid = $1 AND query LIKE '%pg_sleep(30)%'", pid) == "active"
+            await watcher.execute("SELECT pg_terminate_backend($1)", pid)
+            assert (new_pid := await read(engine, sleep, 0)) != pid, "the pool let go of the dropped connection"
+            pid = new_pid
+    finally:
+        await watcher.close()
+        await engine.dispose()
+
+
+async def test_a_standby_cancelling_a_read_for_its_replay_is_unavailable_but_another_serialization_failure_is_not():
+    """Catches: a console page whose read a standby cancelled for its replay answered as a bug's 500."""
+    # As a standby words it when the WAL it replays removes rows a page's read
+    # (DATABASE_READ_URL) could still see; built by hand: make test runs no standby.
+    assert database_unavailable(asyncpg.SerializationError("canceling statement due to conflict with recovery"))
+    assert not database_unavailable(asyncpg.SerializationError("could not serialize access due to concurrent update"))
 
 
 async def test_a_write_on_a_read_only_node_is_unavailable_and_the_pool_lets_go_of_the_connection(server_url):

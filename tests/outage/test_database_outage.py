@@ -321,3 +321,63 @@ async def test_an_api_stopped_with_sigterm_gives_back_the_lease_of_a_payment_it_
     assert await theirs.fetchval("SELECT count(*) FROM fake_psp.charge WHERE reference = $1", body["reference"]) == 1
     assert await theirs.fetchval("SELECT count(*) FROM fake_rail.transfer WHERE reference = $1", body["reference"]) == 1
     assert await unbalanced_payments(ours) == []
+
+
+async def commits_wait_for_a_standby(database_url: str) -> bool:
+    """Does a new session of the server see synchronous_standby_names set (the reload reached it)?"""
+    conn = await asyncpg.connect(database_url)
+    try:
+        return await conn.fetchval("SHOW synchronous_standby_names") == "nobody"
+    finally:
+        await conn.close()
+
+
+async def test_with_no_synchronous_standby_a_payment_is_a_503_within_the_bound_and_is_made_once_when_one_returns(
+    private_stack, ours, theirs
+):
+    """Catches: a commit waiting for a synchronous standby that never comes holding its request until the
+    balancer gives up (a 504), and a bound enforced with a cancel request, which leaves that commit visible on
+    the primary before any standby has it (PostgreSQL's warning "canceling wait for synchronous replication").
+
+    One server stands for a primary in strict synchronous mode whose standbys are both gone: with
+    synchronous_standby_names naming a standby that does not exist, every commit waits (docs/failover.md)."""
+    stack = private_stack
+    client = await make_client(ours, "standbys-gone")
+    server_log = stack.server.data_dir / "server.log"
+    async with httpx.AsyncClient(timeout=30) as http:
+        earlier = (await pay_until_final(http, stack.api, client, str(uuid.uuid4()), payment_body())).json()
+        log_from = server_log.stat().st_size
+        key, body = str(uuid.uuid4()), payment_body()
+        await ours.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
+        try:
+            await ours.execute("SELECT pg_reload_conf()")
+            await until(lambda: commits_wait_for_a_standby(stack.database_url), "the reload to reach new sessions")
+            started = time.monotonic()
+            refused = await http.post(f"{stack.api}/v1/payments", json=body, headers=headers(client, key))
+            took = time.monotonic() - started
+            # Reads wait for no standby: a client still reads its payments.
+            read_back = await http.get(f"{stack.api}/v1/payments/{earlier['id']}", headers=client.auth)
+            waiting = await ours.fetchval("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'")
+            row_meanwhile = await key_row(ours, client.id, key)
+        finally:
+            await ours.execute("ALTER SYSTEM RESET synchronous_standby_names")
+            await ours.execute("SELECT pg_reload_conf()")
+
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["content-type"] == "application/problem+json" and "retry-after" in refused.headers
+        assert took < 4.5, f"answered after {took:.1f} s: within the bound (2 s), below nginx's 5 s read timeout"
+        assert read_back.status_code == 200
+        assert waiting >= 1, "the claim's commit still waits for a standby: dropped, not cancelled"
+        assert row_meanwhile is None, "and is visible nowhere until a standby has it"
+
+        # A standby back (here: none required any more): the waiting commit completes; the retry finds it.
+        await claimed(ours, client.id, key)
+        final = await pay_until_final(http, stack.api, client, key, body)
+    assert final.status_code == 201 and final.json()["status"] == "succeeded"
+    assert await ours.fetchval("SELECT count(*) FROM payment WHERE reference = $1", body["reference"]) == 1
+    for table in ("fake_psp.charge", "fake_rail.transfer"):
+        assert await theirs.fetchval(f"SELECT count(*) FROM {table} WHERE reference = $1", body["reference"]) == 1
+    assert stack.worker.running, "the worker backed off and carried on"
+    with server_log.open("rb") as log:
+        log.seek(log_from)
+        assert b"canceling wait for synchronous replication" not in log.read()
