@@ -6,9 +6,17 @@ The rows' payment over the broker, crashes and all, is tests/batches/ (`make tes
 from __future__ import annotations
 
 import json
+import uuid
+from datetime import date
 
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from app.config import asyncpg_url
+from app.db.transaction import atomic
+from app.payments.batches import progress
+from app.payments.batches.rows import natural_key
 from tests.batches.support import csv_file, upload
-from tests.support import IBAN
+from tests.support import IBAN, headers, payment_body
 
 async def test_a_file_with_bad_rows_is_refused_whole_with_every_bad_row_listed(http, stack, db, acme):
     rows = csv_file(5).decode().splitlines()
@@ -69,3 +77,26 @@ async def test_payments_batches_submit_stores_a_batch_once_and_says_so_when_run_
     batch = await db.fetchrow("SELECT id, reference, row_count FROM payment_batch")
     assert (batch["reference"], batch["row_count"]) == ("payroll-2026-11", 3) and str(batch["id"]) in again
     assert await db.fetchval("SELECT count(*) FROM batch_outbox") == 3
+
+
+async def test_a_row_whose_key_names_another_payment_is_not_paid_and_does_not_complete_its_batch(
+    http, stack, db, database_url, acme
+):
+    # The row's natural key was used before for a different payment (an edited
+    # file, say): that payment is not the row's. Bug caught: counting the row
+    # as paid by whatever its key row names, which completed the batch (and
+    # emitted batch.completed) before the row's last delivery dead-lettered it.
+    key = natural_key(acme.id, "payroll-2026-12", "emp-00001", date(2026, 12, 24))
+    taken = await http.post(stack.api + "/v1/payments", json=payment_body(), headers=headers(acme, str(key)))
+    assert taken.status_code == 201 and taken.json()["status"] == "succeeded"
+    batch = (await upload(http, stack.api, acme, csv_file(1))).json()
+
+    shown = (await http.get(f"{stack.api}/v1/payment-batches/{batch['id']}", headers=headers(acme, None))).json()
+    assert shown["counts"] == {"queued": 1} and shown["status"] == "in_progress"
+    engine = create_async_engine(asyncpg_url(database_url))
+    try:
+        assert await atomic(engine, progress.complete, uuid.UUID(batch["id"])) is None
+    finally:
+        await engine.dispose()
+    assert await db.fetchval("SELECT completed_at FROM payment_batch") is None
+    assert await db.fetchval("SELECT count(*) FROM event WHERE type = 'batch.completed'") == 0

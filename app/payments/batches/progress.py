@@ -21,6 +21,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.outbox import events
+from app.payments.batches.rows import PAYMENT_REFERENCE_PREFIX
 
 # A row is final once its payment is (or it was dead-lettered). `processing`
 # and `indeterminate` payments are still moving; `queued` has no payment yet.
@@ -29,14 +30,20 @@ FAILED = ("declined", "failed", "returned", "refunded", "dead_lettered")
 MAX_FAILED_LISTED = 500
 
 # A row's payment: the one its consumer linked it to; else the one its
-# natural key's key row names. A row of a second upload whose publish the
-# broker dropped as a duplicate (its message id is the row's key, inside the
-# duplicate window) is never consumed itself: its first upload's row was,
-# under the same key.
-_PAYMENT_OF_ROW = """
+# natural key's key row names, if that payment is this row's (its reference
+# is the row's, rows.py::payment_reference). A row of a second upload whose
+# publish the broker dropped as a duplicate (its message id is the row's key,
+# inside the duplicate window) is never consumed itself: its first upload's
+# row was, under the same key. But a key the client had already used for
+# another payment names that payment, not the row's: the row is refused on
+# every delivery and dead-lettered, and until then it is not paid (counted
+# as paid, it let a batch complete before its poison row's last delivery).
+_PAYMENT_OF_ROW = f"""
       LEFT JOIN idempotency_key k ON r.payment_id IS NULL AND k.client_id = r.client_id
                                  AND k.key = CAST(r.row_key AS text)
       LEFT JOIN payment p ON p.id = coalesce(r.payment_id, k.payment_id)
+                         AND (r.payment_id IS NOT NULL
+                              OR p.reference = '{PAYMENT_REFERENCE_PREFIX}' || CAST(r.row_key AS text))
 """
 
 _STATE = """
