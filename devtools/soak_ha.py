@@ -189,11 +189,7 @@ class HaHooks(soak.Hooks):
         try:
             self._routed_elsewhere(old.name, event, TTL + 60)
         finally:
-            for pid in stopped:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+            _resume(stopped)
         event["stalled_seconds"] = round(time.time() - event["at"], 1)
         # It woke up as the primary it was: Patroni must see the key is another's and demote it.
         woke = time.time()
@@ -271,11 +267,7 @@ class HaHooks(soak.Hooks):
         try:
             asyncio.run(self._offer_while_gone(event, leader.host, leader.pg_port))
         finally:
-            for pid in stopped:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+            _resume(stopped)
             self.soak_chaos.no_freezing.clear()
         event["gone_seconds"] = round(time.time() - event["at"], 1)
         back = time.time()
@@ -422,6 +414,15 @@ class HaHooks(soak.Hooks):
                 "failover_recovery": recovery, "standbys_gone": gone,
                 "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}",
                 "patroni": {"ttl": TTL, "synchronous_mode": True, "synchronous_mode_strict": True}}
+
+
+def _resume(pids: list[int]) -> None:
+    """SIGCONT to every process a failover stopped; one that died meanwhile is simply gone."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
 
 
 def _appended(path: Path, since: int) -> bytes:
