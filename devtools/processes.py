@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 
 # The virtualenv's scripts: payments, fake-psp, fake-rail.
 BIN = Path(sys.executable).parent
@@ -198,9 +199,24 @@ class Process:
             stop_processes(self.popen, grace=self.grace)
 
     def kill(self) -> None:
-        """SIGKILL, no grace (a crash, or a test's quick clean-up)."""
+        """SIGKILL, no grace (a crash, or a test's quick clean-up), of it and of every process it started.
+
+        `payments api --workers N` is a supervisor and N worker processes: the
+        supervisor killed alone leaves its workers running, serving the port,
+        with nobody to stop them (as they would be after a machine's crash,
+        which takes them too).
+        """
         if self.running:
+            try:
+                children = psutil.Process(self.popen.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                children = []
             self.popen.kill()
+            for child in children:
+                try:
+                    child.kill()
+                except psutil.NoSuchProcess:
+                    pass
             self.popen.wait(10)
 
     def tail(self, lines: int = 3) -> str:
