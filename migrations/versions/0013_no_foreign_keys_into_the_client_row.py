@@ -8,9 +8,9 @@ client's concurrent payments lock the same row: each lock writes the row's
 header (and a WAL record), and several holders at once must be recorded as
 a MultiXact. The busier the client, the more its payments queue on one
 heap page and the faster MultiXacts are used up. Measured, with the service's
-own SQL for one payment in pgbench from 32 connections: 0.81 of the rate
-without these checks (docs/reference/performance.md, "The client row every
-payment locked").
+own SQL for one payment in pgbench from 32 connections: about 0.88 of the
+rate without these checks (docs/reference/performance.md, "The client row
+every payment locked").
 
 What those foreign keys guarded is kept another way. A row names its client
 because the client was authenticated (the caller lookup) or is the client of
