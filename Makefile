@@ -13,7 +13,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run cluster cluster-ha soak soak-ha test test-batches test-batches-1000 mutants bench bench-batch bench-rate bench-explain bench-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
+.PHONY: install run cluster cluster-ha soak soak-ha test test-batches test-batches-1000 mutants bench bench-batch bench-rate bench-explain bench-db-parts bench-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
 
 install: $(STAMP)
 
@@ -135,6 +135,13 @@ bench-rate: $(STAMP)
 # of the bench's own (docs/reference/performance.md#one-new-payment-in-the-database-statement-by-statement).
 bench-explain: $(STAMP)
 	$(BIN)/python -m bench.explain
+
+# What each part of a new payment's SQL costs the database: pgbench of the recorded statements with one part
+# taken out at a time (the lookup, the key row, the event, day partitions, the keys into payment, the payment's
+# indexes but its primary key), beside the naive twin's statements, and the server's CPU per payment of each
+# (docs/reference/performance.md#what-each-part-of-a-payment-costs-the-database).
+bench-db-parts: $(STAMP)
+	$(BIN)/python -m bench.db_parts
 
 # Figures the machine's noise does not move: the app's instructions per new payment and per replay under
 # valgrind's callgrind, phased and naive, counted only in windows of 10 and 110 requests after a warm-up

