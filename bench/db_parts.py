@@ -95,7 +95,7 @@ _CLAIM = re.compile(r"WITH fence AS \(\n\s+SELECT claimed\.lease_token.*?\n\), c
 @dataclass
 class Variant:
     name: str
-    database: str  # which of the schemas: "head", "2 partitions", "no payment keys"
+    database: str  # the schema it runs on: a key of SCHEMAS
     edit: Callable[[str], str] = lambda script: script
     twin: bool = False
     rates: list[float] = field(default_factory=list)
@@ -122,7 +122,8 @@ def without_key_row(script: str) -> str:
     head, parts = _statements(script)
     api_key_hash = re.search(r"c\.api_key_hash = ('[^']*')", parts[LOOKUP])
     assert api_key_hash, "the lookup names no api_key_hash"
-    parts[LOOKUP] = f"-- 1. the client only\nSELECT id AS caller_id FROM client WHERE api_key_hash = {api_key_hash.group(1)} \\gset s1_\n"
+    parts[LOOKUP] = ("-- 1. the client only\n"
+                     f"SELECT id AS caller_id FROM client WHERE api_key_hash = {api_key_hash.group(1)} \\gset s1_\n")
     handler1, n = _CLAIM.subn("WITH fence AS (SELECT 1), created AS", parts[HANDLER1])
     assert n == 1, "HANDLER1 has no claim to take out"
     parts[HANDLER1] = handler1.replace("fence.lease_token, fence.stored_on AS key_stored_on, ", "")

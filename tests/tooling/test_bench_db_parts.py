@@ -3,7 +3,8 @@
 The variants are text edits of the script bench/ceiling.py records; if the
 service's SQL changes shape, an edit could stop matching and measure the
 wrong thing without a word. Each variant runs here for three payments, and
-the rows they leave say what was taken out.
+the rows they leave say what was taken out; the catalogue says what each
+schema changed.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ def databases(server_url: str):
     yield {schema: f"{base}/{name}" for schema, name in names.items()}
     for name in names.values():
         embedded_db.drop_database(server_url, name)
+
+
+def _value(url: str, sql: str) -> int:
+    async def fetch() -> int:
+        conn = await asyncpg.connect(url)
+        try:
+            return await conn.fetchval(sql)
+        finally:
+            await conn.close()
+
+    return asyncio.run(fetch())
 
 
 def _counts(url: str) -> dict[str, int]:
@@ -75,6 +87,13 @@ def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str
         "payment: its key only": ours,
         "naive twin": {"naive.payment": 3, "naive.ledger_entry": 15},
     }
+    # And each schema is what its variant says.
+    partitions = "SELECT count(*) FROM pg_inherits WHERE inhparent = 'idempotency_key'::regclass"
+    assert _value(databases["head"], partitions) == 8 and _value(databases["2 partitions"], partitions) == 2
+    keys_into_payment = "SELECT count(*) FROM pg_constraint WHERE contype = 'f' AND confrelid = 'payment'::regclass"
+    assert _value(databases["head"], keys_into_payment) - _value(databases["no payment keys"], keys_into_payment) == 2
+    indexes = "SELECT count(*) FROM pg_index WHERE indrelid = 'payment'::regclass"
+    assert _value(databases["head"], indexes) == 4 and _value(databases["payment key only"], indexes) == 1
     scripts = {name: path.read_text() for name, path in files.items()}
     assert "JOIN idempotency_key" in scripts["as is"] and "-- 1. " not in scripts["no lookup"]
     assert "idempotency_key" not in scripts["no key row"]
