@@ -150,6 +150,11 @@ http {{
 """
 
 
+def missing() -> bool:
+    """Whether nginx or its JavaScript module is absent: what `nginx_process` needs, asked without starting it."""
+    return find_nginx() is None or not JS_MODULE.exists()
+
+
 def nginx_process(directory: Path, port: int, upstreams: Iterable[int], env: dict[str, str],
                   log: Path | None = None) -> Process:
     """nginx with its configuration written into `directory` (created), listening on `port`.
@@ -157,9 +162,10 @@ def nginx_process(directory: Path, port: int, upstreams: Iterable[int], env: dic
     Up once /healthz answers through it, that is once it listens and a
     replica behind it answers. Run as an unprivileged user when we are root.
     """
-    binary = find_nginx()
-    if binary is None or not JS_MODULE.exists():
+    if missing():
         raise SystemExit(INSTALL_HINT)
+    binary = find_nginx()
+    assert binary is not None  # missing() said so
     directory.mkdir(parents=True, exist_ok=True)
     conf = directory / "nginx.conf"
     conf.write_text(config(directory, port, list(upstreams)))

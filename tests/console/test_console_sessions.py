@@ -153,7 +153,7 @@ async def test_the_cookie_is_secure_when_a_trusted_proxy_says_https_and_only_the
 
 # nginx is the distribution's package, which `make test` must not need: without
 # it this test is skipped with its reason in the summary (.ci/run installs it).
-@pytest.mark.skipif(nginx.find_nginx() is None or not nginx.JS_MODULE.exists(), reason=nginx.INSTALL_HINT)
+@pytest.mark.skipif(nginx.missing(), reason=nginx.INSTALL_HINT)
 async def test_behind_nginx_the_scheme_is_nginx_s_and_a_client_cannot_claim_https(
     system: System, console_api: Process, tmp_path_factory: pytest.TempPathFactory
 ):
