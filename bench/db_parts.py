@@ -1,6 +1,6 @@
 """What each part of a new payment costs the database: pgbench of its SQL, one part taken out at a time.
 
-    python -m bench.db_parts [--rounds 5] [--seconds 8] [--clients 32]
+    python -m bench.db_parts [--rounds 5] [--seconds 8] [--clients 32] [--only VARIANT ...]
 
 Not on a request's path: the measurement behind "the database's CPU per
 payment, the safe service's against the naive twin's" in
@@ -32,9 +32,17 @@ variant takes one part out of it, or changes the schema under it:
                        payment dropped (each checked per inserted row)
     payment: its key   payment with its primary key only, as the twin's
       only             table is (no unique reference, no unique end-to-end
-                       reference, no index of parked payments): its updates
-                       can then be HOT, which none of the service's are, and
-                       HANDLER1 loses its ON CONFLICT, which needs the index
+                       reference): what those two indexes cost the insert
+                       (since migration 0014 the updates are HOT with them
+                       too); HANDLER1 loses its ON CONFLICT, which needs the
+                       reference's index
+    before 0014        the payment's indexes and HANDLER1 as they were
+                       before migration 0014: the reference's unique index
+                       conditioned on `status`, the index of parked payments,
+                       and the end-to-end reference written by the charge's
+                       statement, not with the payment, so that neither of
+                       the payment's updates can be HOT: what that migration
+                       saved
     naive twin         the twin's own statements (its lookup, its insert, two
                        updates, two ledger postings), on its own tables
 
@@ -44,13 +52,16 @@ machine's speed drifts by more than some of these parts cost within a
 minute or two, far less between two runs side by side. Every run starts
 from empty tables and a checkpoint, so each measures the same thing: the
 first seconds of a young database (a table's size moves its cost, and
-`as is` runs as often as all the others together). Each run is measured two
+`as is` runs as often as all the others together). Each run is measured three
 ways: payments/s (pgbench's transactions/s: one transaction is one
 payment's statements, each committed on its own as the service commits
-them) and the PostgreSQL server's CPU per payment (all its processes:
+them), the PostgreSQL server's CPU per payment (all its processes:
 backends, WAL writer, checkpointer, autovacuum; pgbench's own CPU is not
-in it). The CPU figure is the one to read: pgbench shares the two CPUs, so
-its rate says less. Every statement is prepared, on connections with the
+in it), and the bytes of WAL the server wrote per payment. The CPU figure
+is the one to read: pgbench shares the two CPUs, so its rate says less.
+The WAL figure does not drift with the machine's speed (each run starts
+after a checkpoint, so the first change of each page is written whole in
+every run alike). Every statement is prepared, on connections with the
 service's own settings (`plan_cache_mode`, as app/db/engine.py sets it).
 The databases are dropped at the end.
 
@@ -100,6 +111,7 @@ class Variant:
     twin: bool = False
     rates: list[float] = field(default_factory=list)
     cpu_ms: list[float] = field(default_factory=list)
+    wal_bytes: list[float] = field(default_factory=list)
 
 
 def _statements(script: str) -> tuple[str, dict[str, str]]:
@@ -151,6 +163,21 @@ def without_on_conflict(script: str) -> str:
     return _join(head, parts)
 
 
+def before_0014(script: str) -> str:
+    """HANDLER1 as it was before migration 0014: the end-to-end reference left NULL, the old ON CONFLICT."""
+    head, parts = _statements(script)
+    handler1, n = re.subn(r", end_to_end_reference\)", ")", parts[HANDLER1])
+    assert n == 1, "HANDLER1 inserts no end-to-end reference"
+    e2e = re.escape(ceiling.VARYING["e2e"])
+    handler1, n = re.subn(rf", {e2e}(\s+FROM fence)", r"\1", handler1)
+    assert n == 1, "HANDLER1's end-to-end reference is not its last value"
+    handler1, n = re.subn(r"WHERE holds_reference DO NOTHING", "WHERE status NOT IN ('declined', 'failed') DO NOTHING",
+                          handler1)
+    assert n == 1, "HANDLER1 has no ON CONFLICT on holds_reference"
+    parts[HANDLER1] = handler1
+    return _join(head, parts)
+
+
 def twin_script(api_key_hash: bytes) -> str:
     """The naive twin's statements for one paid payment, as naive_twin/app.py runs them."""
     from naive_twin import app as twin  # its SQL, not a copy of it
@@ -190,6 +217,7 @@ VARIANTS = [
     Variant("2 key partitions", "2 partitions"),
     Variant("no keys to payment", "no payment keys"),
     Variant("payment: its key only", "payment key only", without_on_conflict),
+    Variant("before 0014", "before 0014", before_0014),
     Variant("naive twin", "head", twin=True),
 ]
 SCHEMAS = {
@@ -198,8 +226,13 @@ SCHEMAS = {
     "2 partitions": ["drop days"],
     "no payment keys": ["ALTER TABLE ledger_entry DROP CONSTRAINT ledger_entry_payment_id_fkey",
                         "ALTER TABLE event DROP CONSTRAINT event_payment_id_fkey"],
-    # payment with its primary key alone, as the twin's table: every update of it can then be HOT.
-    "payment key only": ["DROP INDEX payment_reference_in_force", "DROP INDEX payment_indeterminate",
+    # payment with its primary key alone, as the twin's table.
+    # The indexes of payment before migration 0014 (its downgrade's, less the column).
+    "before 0014": ["DROP INDEX payment_reference_in_force",
+                    "CREATE UNIQUE INDEX payment_reference_in_force ON payment (client_id, reference) "
+                    "WHERE status NOT IN ('declined', 'failed')",
+                    "CREATE INDEX payment_indeterminate ON payment (payout_instructed_at) WHERE status = 'indeterminate'"],
+    "payment key only": ["DROP INDEX payment_reference_in_force",
                          "ALTER TABLE payment DROP CONSTRAINT payment_end_to_end_reference_key"],
 }
 
@@ -222,6 +255,24 @@ async def _sql(url: str, *statements: str) -> None:
                     await conn.execute(f"DROP TABLE {name}")
             else:
                 await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+async def _wal_position(url: str) -> str:
+    conn = await asyncpg.connect(url)
+    try:
+        return await conn.fetchval("SELECT CAST(pg_current_wal_insert_lsn() AS text)")
+    finally:
+        await conn.close()
+
+
+async def _wal_since(url: str, lsn: str) -> float:
+    """Bytes of WAL the server has written since `lsn` (every database's, and the server's own)."""
+    conn = await asyncpg.connect(url)
+    try:
+        return float(await conn.fetchval("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), CAST(CAST($1 AS text) AS pg_lsn))",
+                                         lsn))
     finally:
         await conn.close()
 
@@ -297,6 +348,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=8)
     parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--only", action="append", choices=[v.name for v in VARIANTS[1:]], metavar="VARIANT",
+                        help="run only this variant beside `as is` (again for more); every variant by default")
     args = parser.parse_args()
 
     server = embedded_db.default_server()
@@ -315,22 +368,25 @@ def main() -> None:
         assert binary, "no pgbench beside the embedded server"
         postmaster = psutil.Process(int((server.data_dir / "postmaster.pid").read_text().split()[0]))
         own = len(postmaster.children())  # checkpointer, WAL writer, autovacuum launcher...: no client now
-        print(f"pgbench of {', '.join(issuers)} and {len(VARIANTS) - 1} variants ({SCRIPTS}); "
+        base, others = VARIANTS[0], [v for v in VARIANTS[1:] if not args.only or v.name in args.only]
+        print(f"pgbench of {', '.join(issuers)} and {len(others)} variants ({SCRIPTS}); "
               f"{args.clients} clients, {args.rounds} rounds, each variant beside a run of `as is` in each, "
               f"{args.seconds:g} s a run", flush=True)
-        base, others = VARIANTS[0], VARIANTS[1:]
 
         def run(v: Variant, n: int) -> float:
             # Every run starts from empty tables: else `as is`, which runs beside
             # every variant, would be measured on a database several times the
             # size of the other schemas', and a table's size moves its cost.
             asyncio.run(_sql(urls[v.database], FRESH, "CHECKPOINT"))
+            lsn = asyncio.run(_wal_position(admin))
             before = server_cpu(postmaster, own)
             rate, payments = pgbench(binary, urls[v.database], files[v.name], args.clients, args.seconds)
             v.rates.append(rate)
             v.cpu_ms.append((server_cpu(postmaster, own) - before) * 1000 / payments)
+            v.wal_bytes.append(asyncio.run(_wal_since(admin, lsn)) / payments)
             print(f"round {n + 1} {v.name:>22}: {rate:7.1f} payments/s, server CPU {v.cpu_ms[-1]:.3f} ms "
-                  f"a payment (load average {os.getloadavg()[0]:.1f})", flush=True)
+                  f"and {v.wal_bytes[-1]:,.0f} bytes of WAL a payment (load average {os.getloadavg()[0]:.1f})",
+                  flush=True)
             return v.cpu_ms[-1]
 
         # Each variant runs right beside a run of `as is`, in turn first and
@@ -344,12 +400,14 @@ def main() -> None:
                 else:
                     cpu, as_is = run(v, n), run(base, n)
                 ratios[v.name].append(cpu / as_is)
-        print(f"\n{'variant':>22}  payments/s  server CPU ms a payment  "
+        print(f"\n{'variant':>22}  payments/s  WAL bytes a payment  server CPU ms a payment  "
               f"÷ as is beside it (median of the rounds' ratios)")
-        print(f"{base.name:>22}  {statistics.median(base.rates):10.1f}  {statistics.median(base.cpu_ms):23.3f}")
+        print(f"{base.name:>22}  {statistics.median(base.rates):10.1f}  {statistics.median(base.wal_bytes):19,.0f}  "
+              f"{statistics.median(base.cpu_ms):23.3f}")
         for v in others:
             r = ratios[v.name]
-            print(f"{v.name:>22}  {statistics.median(v.rates):10.1f}  {statistics.median(v.cpu_ms):23.3f}  "
+            print(f"{v.name:>22}  {statistics.median(v.rates):10.1f}  {statistics.median(v.wal_bytes):19,.0f}  "
+                  f"{statistics.median(v.cpu_ms):23.3f}  "
                   f"{statistics.median(r):.3f} (rounds {', '.join(f'{x:.3f}' for x in r)})")
     finally:
         for url in urls.values():

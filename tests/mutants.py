@@ -250,7 +250,7 @@ MUTANTS = (
         (
             Edit(
                 "app/payments/phases.py",
-                "        ON CONFLICT (client_id, reference) WHERE status NOT IN ('declined', 'failed') DO NOTHING\n",
+                "        ON CONFLICT (client_id, reference) WHERE holds_reference DO NOTHING\n",
                 "",
             ),
         ),

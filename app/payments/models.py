@@ -167,6 +167,9 @@ class Payment:
     # compensations together (app/payments/refunds/). Never above amount_minor.
     refunded_minor: int = 0
     return_refund_minor: int | None = None  # what a returned payout's compensation refunds
+    # False once the payment ended without moving money (declined, or failed):
+    # the order's reference is free again (migration 0014 says why a column).
+    holds_reference: bool = True
 
     @property
     def refundable_minor(self) -> int:
@@ -218,7 +221,10 @@ class PaymentView(BaseModel):
             fee=payment.fee_minor,
             net_amount=payment.net_minor,
             beneficiary=BeneficiaryView(name=payment.beneficiary_name, iban=payment.beneficiary_iban),
-            end_to_end_reference=payment.end_to_end_reference,
+            # Written when the payment is created, but a client hears of it
+            # only once the payout is instructed: a declined card's payment
+            # never had one.
+            end_to_end_reference=payment.end_to_end_reference if payment.payout_instructed_at else None,
             failure=_failure(payment),
             created_at=payment.created_at,
         )

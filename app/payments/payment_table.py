@@ -15,8 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.payments.models import Payment
 
 _BY_REFERENCE = text(
-    "SELECT id FROM payment WHERE client_id = :client_id AND reference = :reference "
-    "AND status NOT IN ('declined', 'failed')"
+    "SELECT id FROM payment WHERE client_id = :client_id AND reference = :reference AND holds_reference"
 )
 _BY_ID = text("SELECT * FROM payment WHERE id = :id AND client_id = :client_id")
 
@@ -37,14 +36,17 @@ _UPDATE = {
 
 
 # Parked payouts whose instruction was built in [since, until] (UTC days):
-# what a reconciliation window must settle.
+# what a reconciliation window must settle. Found from the key table's side,
+# through its index of parked operations (`idempotency_key_parked`: a
+# handful of rows), then each payment by its primary key: `payment` has no
+# index on its status, so that its updates can be HOT (migration 0014).
 _PARKED_PAYOUTS = text(
     """
     SELECT p.*, k.key
-      FROM payment p
-      JOIN idempotency_key k ON k.client_id = p.client_id AND k.payment_id = p.id
-     WHERE p.status = 'indeterminate'
-       AND k.parked_at IS NOT NULL AND k.recovery_point = 'EXT2_SENT'
+      FROM idempotency_key k
+      JOIN payment p ON p.id = k.payment_id AND p.client_id = k.client_id
+     WHERE k.state = 'started' AND k.parked_at IS NOT NULL AND k.recovery_point = 'EXT2_SENT'
+       AND p.status = 'indeterminate'
        AND p.payout_instructed_at >= CAST(:since AS date)
        AND p.payout_instructed_at < CAST(:until AS date) + 1
      ORDER BY p.payout_instructed_at

@@ -63,16 +63,25 @@ def new_payment_id() -> uuid.UUID:
 # key to payment is DEFERRABLE INITIALLY DEFERRED, so PostgreSQL checks it
 # when the statement ends, refuses, and rolls the whole statement back,
 # claim included: a duplicate reference leaves no trace.
+#
+# The payment is created with every column an index of `payment` names
+# already final on the way to `succeeded`: its end-to-end reference (derived
+# from the key, so known now, though the API shows it only once the payout
+# is instructed) and `holds_reference`, which only a declined or failed
+# payment gives up. So the two updates that follow, on the happy path, are
+# HOT: PostgreSQL rewrites the row on its page and touches no index (an
+# optimisation: migration 0014, and docs/reference/performance.md, "A
+# payment row whose updates are HOT").
 HANDLER1 = claim(
     "SELECT fence.lease_token, fence.stored_on AS key_stored_on, created.* FROM fence, created",
     created="""
         INSERT INTO payment
             (id, client_id, reference, amount_minor, currency, fee_minor, net_minor,
-             card_token, beneficiary_name, beneficiary_iban, status, psp_charge_key)
+             card_token, beneficiary_name, beneficiary_iban, status, psp_charge_key, end_to_end_reference)
         SELECT :payment_id, :client_id, :reference, :amount, :currency, :fee, :net,
-               :card_token, :beneficiary_name, :beneficiary_iban, 'processing', :psp_charge_key
+               :card_token, :beneficiary_name, :beneficiary_iban, 'processing', :psp_charge_key, :e2e
           FROM fence                                   -- only under a claim we won
-        ON CONFLICT (client_id, reference) WHERE status NOT IN ('declined', 'failed') DO NOTHING
+        ON CONFLICT (client_id, reference) WHERE holds_reference DO NOTHING
         RETURNING *
     """,
 )
@@ -102,7 +111,7 @@ async def handler1(
                 reference=request.reference, amount=request.amount, currency=request.currency,
                 fee=fee, net=request.amount - fee, card_token=request.card_token,
                 beneficiary_name=request.beneficiary.name, beneficiary_iban=request.beneficiary.iban,
-                psp_charge_key=derived_key(client_id, key, STEP_CHARGE),
+                psp_charge_key=derived_key(client_id, key, STEP_CHARGE), e2e=end_to_end_reference(client_id, key),
             ),
         )
     except IntegrityError as exc:
@@ -135,6 +144,9 @@ async def handler1(
 # docs/reference/performance.md, "Does the database's cost grow within a run?").
 
 # The charge succeeded: record it, build the payout instruction, post charge_captured.
+# The end-to-end reference is already this value for every payment created
+# since migration 0014 (so the update stays HOT); setting it again gives one
+# created before it, still at EXT1_SENT, its reference.
 CHARGE_CAPTURED = advance(
     updated="""
         UPDATE payment
@@ -150,7 +162,8 @@ CHARGE_CAPTURED = advance(
 CHARGE_DECLINED = finish(
     updated="""
         UPDATE payment
-           SET status = 'declined', psp_charge_id = :charge_id, decline_code = :decline_code, updated_at = now()
+           SET status = 'declined', holds_reference = false, psp_charge_id = :charge_id,
+               decline_code = :decline_code, updated_at = now()
          WHERE payment.id = (SELECT payment_id FROM fence)
         RETURNING payment.*
     """,
@@ -243,11 +256,15 @@ async def record_transfer(
 
 # The charge refunded: the payment ends `failed` (its payout was rejected),
 # or `refunded` (its payout was returned: app/payments/returns.py). Either
-# way nothing of the charge is refundable any more.
+# way nothing of the charge is refundable any more. A failed payment gives
+# its reference up (the order may be paid again); a refunded one moved money
+# out and back, and keeps it (the CHECK payment_holds_reference_by_status
+# refuses any other combination).
 CHARGE_REFUNDED = finish(
     updated="""
         UPDATE payment
-           SET status = :status, psp_refund_id = :refund_id, refunded_minor = amount_minor, updated_at = now()
+           SET status = :status, holds_reference = CAST(:status AS text) <> 'failed', psp_refund_id = :refund_id,
+               refunded_minor = amount_minor, updated_at = now()
          WHERE payment.id = (SELECT payment_id FROM fence)
         RETURNING payment.*
     """,

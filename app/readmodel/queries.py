@@ -216,7 +216,8 @@ _OPERATION = text(
                'amount_minor', p.amount_minor, 'fee_minor', p.fee_minor, 'net_minor', p.net_minor,
                'currency', p.currency, 'beneficiary_name', p.beneficiary_name,
                'beneficiary_iban', p.beneficiary_iban,
-               'end_to_end_reference', p.end_to_end_reference,
+               -- Written with the payment, shown once the payout is instructed (as the API does).
+               'end_to_end_reference', CASE WHEN p.payout_instructed_at IS NOT NULL THEN p.end_to_end_reference END,
                'psp_charge_key', p.psp_charge_key, 'psp_charge_id', p.psp_charge_id, 'decline_code', p.decline_code,
                'rail_transfer_key', p.rail_transfer_key, 'rail_transfer_id', p.rail_transfer_id,
                'reject_reason', p.reject_reason, 'psp_refund_key', p.psp_refund_key, 'psp_refund_id', p.psp_refund_id,

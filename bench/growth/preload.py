@@ -146,8 +146,9 @@ WITH k AS (  -- the parameters, each typed once
     SELECT s.*,
            -- UUIDv7: 48 bits of Unix milliseconds, the version nibble 7, random bits (variant kept)
            encode(set_byte(r.b, 6, (get_byte(r.b, 6) & 15) | 112), 'hex')::uuid AS payment_id,
-           CASE WHEN s.outcome IN ('succeeded', 'failed', 'parked')
-                THEN 'E2E' || upper(left({_derived('e2e', 's')}, 32)) END AS e2e,
+           -- written with the payment since migration 0014; the payout is instructed for these
+           'E2E' || upper(left({_derived('e2e', 's')}, 32)) AS e2e,
+           s.outcome IN ('succeeded', 'failed', 'parked') AS instructed,
            CASE s.outcome WHEN 'succeeded' THEN 'succeeded' WHEN 'declined' THEN 'declined'
                           WHEN 'failed' THEN 'failed' WHEN 'parked' THEN 'indeterminate'
                           ELSE 'processing' END AS status,
@@ -163,21 +164,22 @@ WITH k AS (  -- the parameters, each typed once
         (id, client_id, reference, amount_minor, currency, fee_minor, net_minor, card_token,
          beneficiary_name, beneficiary_iban, status, end_to_end_reference, psp_charge_key, psp_charge_id,
          decline_code, rail_transfer_key, rail_transfer_id, reject_reason, psp_refund_key, psp_refund_id,
-         created_at, updated_at, payout_instructed_at)
+         created_at, updated_at, payout_instructed_at, holds_reference)
     SELECT d.payment_id, d.client_id, d.reference, k.amount, k.currency, k.fee, k.net,
            CASE WHEN d.outcome = 'declined' THEN '{DECLINED_CARD}' ELSE k.card END,
            k.beneficiary_name, k.beneficiary_iban, d.status, d.e2e,
            {_derived(STEP_CHARGE)},
            CASE WHEN d.outcome <> 'unfinished' THEN 'ch_' || left(md5(d.key || 'ch'), 24) END,
            CASE WHEN d.outcome = 'declined' THEN 'card_declined' END,
-           CASE WHEN d.e2e IS NOT NULL THEN {_derived(STEP_TRANSFER)} END,
+           CASE WHEN d.instructed THEN {_derived(STEP_TRANSFER)} END,
            CASE WHEN d.outcome IN ('succeeded', 'failed') THEN 'tr_' || left(md5(d.key || 'tr'), 24) END,
            CASE WHEN d.outcome = 'failed' THEN 'account_closed' END,
            CASE WHEN d.outcome = 'failed' THEN {_derived(STEP_REFUND)} END,
            CASE WHEN d.outcome = 'failed' THEN 're_' || left(md5(d.key || 're'), 24) END,
            d.created_at,
            CASE WHEN d.outcome IN ('parked', 'unfinished') THEN d.created_at + interval '2 min' ELSE d.finished_at END,
-           CASE WHEN d.e2e IS NOT NULL THEN d.created_at + interval '150 ms' END
+           CASE WHEN d.instructed THEN d.created_at + interval '150 ms' END,
+           d.status NOT IN ('declined', 'failed')
       FROM k, d
 )
 INSERT INTO idempotency_key

@@ -18,7 +18,11 @@ import asyncpg
 import pytest
 from alembic import command
 from alembic.config import Config
+from sqlalchemy.ext.asyncio import create_async_engine
 
+from app.config import asyncpg_url
+from app.db.transaction import read
+from app.payments import payment_table
 from devtools import embedded_db
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -401,14 +405,21 @@ async def test_0010_adds_console_sessions_beside_every_row_of_the_previous_head(
         await conn.close()
 
 
+STATUSES = ("processing", "succeeded", "declined", "failed", "indeterminate", "returned", "refunded")
+
+
+async def insert_one_payment_of_each_status(conn: asyncpg.Connection, client: int) -> None:
+    """A payment in every status, with the reference order-<status>."""
+    for status in STATUSES:
+        await insert_payment(conn, uuid.uuid4(), client, f"order-{status}", status)
+
+
 async def test_0011_gives_every_payment_its_refunded_amount_and_guards_it_by_a_constraint(scratch):
     await migrate(scratch, revision_before("0011"))
     conn = await asyncpg.connect(scratch)
     try:
         client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
-        statuses = ("processing", "succeeded", "declined", "failed", "indeterminate", "returned", "refunded")
-        for status in statuses:
-            await insert_payment(conn, uuid.uuid4(), client, f"order-{status}", status)
+        await insert_one_payment_of_each_status(conn, client)
         before = [dict(r) for r in await conn.fetch("SELECT * FROM payment ORDER BY reference")]
     finally:
         await conn.close()
@@ -523,3 +534,62 @@ async def test_0013_keeps_every_row_drops_the_keys_into_client_and_refuses_to_de
         assert await conn.fetchval("SELECT count(*) FROM client") == 2
     finally:
         await conn.close()
+
+
+async def test_0014_keeps_every_payment_frees_the_references_of_ended_ones_and_indexes_no_status(scratch):
+    await migrate(scratch, revision_before("0014"))
+    conn = await asyncpg.connect(scratch)
+    try:
+        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
+        await insert_one_payment_of_each_status(conn, client)
+        # A parked payout, as reconciliation must still find it: its key row parked at EXT2_SENT.
+        parked = await conn.fetchval("SELECT id FROM payment WHERE status = 'indeterminate'")
+        await conn.execute("UPDATE payment SET payout_instructed_at = now(), end_to_end_reference = 'E2E1' "
+                           "WHERE id = $1", parked)
+        await conn.execute("INSERT INTO idempotency_key (client_id, key, endpoint, request_hash, state, recovery_point,"
+                           " payment_id, parked_at) VALUES ($1, 'k1', 'POST /v1/payments', '\\x00', 'started', "
+                           "'EXT2_SENT', $2, now())", client, parked)
+        before = [dict(r) for r in await conn.fetch("SELECT * FROM payment ORDER BY reference")]
+    finally:
+        await conn.close()
+
+    await migrate(scratch, "0014")
+
+    conn = await asyncpg.connect(scratch)
+    try:
+        after = [dict(r) for r in await conn.fetch("SELECT * FROM payment ORDER BY reference")]
+        assert [{k: v for k, v in r.items() if k != "holds_reference"} for r in after] == before
+        # Bug caught: a backfill that frees the reference of a payment that
+        # moved money (a second payment of a paid order would be accepted),
+        # or keeps a declined order's reference (it could never be paid again).
+        assert {r["status"]: r["holds_reference"] for r in after} == {
+            "processing": True, "succeeded": True, "declined": False, "failed": False, "indeterminate": True,
+            "returned": True, "refunded": True,
+        }
+        with pytest.raises(asyncpg.UniqueViolationError):  # the order paid is still the only one in force
+            await insert_payment(conn, uuid.uuid4(), client, "order-succeeded", "processing")
+        await insert_payment(conn, uuid.uuid4(), client, "order-declined", "processing")  # a declined order again
+        with pytest.raises(asyncpg.CheckViolationError):  # a status change that forgets the reference is refused
+            await conn.execute("UPDATE payment SET status = 'declined' WHERE reference = 'order-processing'")
+        # No index of payment names status or the payout's instruction time,
+        # so the updates on the way to `succeeded` can be HOT.
+        indexed = await conn.fetch(
+            "SELECT indexrelid::regclass::text AS name, pg_get_indexdef(indexrelid) AS def "
+            "FROM pg_index WHERE indrelid = 'payment'::regclass"
+        )
+        assert {r["name"] for r in indexed} == {
+            "payment_pkey", "payment_end_to_end_reference_key", "payment_reference_in_force"
+        }
+        assert not [r["def"] for r in indexed if "status" in r["def"] or "payout_instructed_at" in r["def"]]
+        assert await conn.fetchval("SELECT bool_and(indisvalid) FROM pg_index WHERE indrelid = 'payment'::regclass")
+    finally:
+        await conn.close()
+    # Bug caught: reconciliation, which found parked payouts through the
+    # dropped index of parked payments, no longer finding them.
+    engine = create_async_engine(asyncpg_url(scratch))
+    try:
+        today = datetime.now(UTC).date()
+        found = await read(engine, payment_table.parked_payouts, today - timedelta(days=1), today + timedelta(days=1))
+    finally:
+        await engine.dispose()
+    assert [(payment.id, key) for payment, key in found] == [(parked, "k1")]

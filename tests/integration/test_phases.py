@@ -8,6 +8,7 @@ ledger.
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import replace
 from datetime import timedelta
@@ -118,6 +119,54 @@ async def test_the_owner_advances_and_its_posting_balances(engine, db, acme):
     assert row["recovery_point"] == "EXT2_SENT" and row["lease_token"] == op.lease.token
     legs = await db.fetch("SELECT debit_minor, credit_minor FROM ledger_entry WHERE payment_id = $1", op.subject.id)
     assert len(legs) == 3 and sum(r["debit_minor"] for r in legs) == sum(r["credit_minor"] for r in legs)
+
+
+async def test_a_paid_payments_two_updates_are_hot_and_write_no_index_entry(engine, acme):
+    # Bug caught: an index of `payment` naming a column that changes on the
+    # way to `succeeded` (its status, as the reference's index once did in its
+    # WHERE; the payout's instruction time; the end-to-end reference written
+    # when the charge is recorded instead of with the payment): every update
+    # of every payment would then write a new entry into each index
+    # (migration 0014). One transaction, so the counts are this payment's
+    # alone, whatever else the database is doing.
+    key = str(uuid.uuid4())
+    request = PaymentRequest.model_validate(payment_body())
+
+    async def pay(conn):
+        op = await phases.handler1(conn, PAYMENT, client_id=acme.id, key=key, request_hash=b"h", request=request,
+                                   lease_seconds=30)
+        op = await phases.record_charge(conn, op, Charge(id="ch_1", status="succeeded"), 30)
+        op = await phases.record_transfer(conn, op, Transfer(id="tr_1", status="accepted"), 30)
+        assert op.subject.status == "succeeded"
+        counts = await conn.execute(text(
+            "SELECT pg_stat_get_xact_tuples_updated(CAST('payment' AS regclass)) AS updated, "
+            "pg_stat_get_xact_tuples_hot_updated(CAST('payment' AS regclass)) AS hot"
+        ))
+        return counts.one()
+
+    updated, hot = await atomic(engine, pay)
+    assert (updated, hot) == (2, 2)
+
+
+async def test_a_declined_payment_gives_its_reference_up_and_shows_no_end_to_end_reference(engine, db, acme):
+    # Bug caught: the end-to-end reference, written with the payment since
+    # migration 0014, shown to a client whose card was declined (no payout
+    # was ever instructed), or a declined payment still holding its reference.
+    request = PaymentRequest.model_validate(payment_body())
+
+    async def create(key: str):
+        return await one_statement(engine, phases.handler1, PAYMENT, client_id=acme.id, key=key, request_hash=b"h",
+                                   request=request, lease_seconds=30)
+
+    op = await create(str(uuid.uuid4()))
+    declined = await one_statement(
+        engine, phases.record_charge, op, Charge(id="ch_1", status="declined", decline_code="card_declined"), 30
+    )
+    row = await db.fetchrow("SELECT holds_reference, end_to_end_reference, payout_instructed_at FROM payment")
+    assert row["holds_reference"] is False and row["end_to_end_reference"] and row["payout_instructed_at"] is None
+    assert declined.response is not None and json.loads(declined.response[1])["end_to_end_reference"] is None
+    again = await create(str(uuid.uuid4()))  # the same order, paid again under a new key
+    assert again is not None and again.subject.holds_reference
 
 
 async def test_handler1_for_a_taken_reference_leaves_no_key_row(engine, db, acme):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from types import SimpleNamespace
 
 import asyncpg
@@ -57,6 +58,27 @@ def _counts(url: str) -> dict[str, int]:
     return asyncio.run(count())
 
 
+def _updates(url: str, expected: int) -> tuple[int, int]:
+    """payment's (updates, HOT updates) once `expected` updates are counted: a backend publishes its
+    counts as it exits, which may be just after pgbench has returned."""
+    sql = "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relid = 'payment'::regclass"
+
+    async def fetch() -> tuple[int, int]:
+        conn = await asyncpg.connect(url)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                await conn.execute("SELECT pg_stat_clear_snapshot()")
+                updated, hot = await conn.fetchrow(sql)
+                if updated >= expected or time.monotonic() > deadline:
+                    return updated, hot
+                await asyncio.sleep(0.05)  # polling for the condition, not waiting a guess
+        finally:
+            await conn.close()
+
+    return asyncio.run(fetch())
+
+
 def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str]):
     api_key = None
     for schema, url in databases.items():
@@ -85,6 +107,7 @@ def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str
         "2 key partitions": ours,
         "no keys to payment": ours,
         "payment: its key only": ours,
+        "before 0014": ours,
         "naive twin": {"naive.payment": 3, "naive.ledger_entry": 15},
     }
     # And each schema is what its variant says.
@@ -93,7 +116,13 @@ def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str
     keys_into_payment = "SELECT count(*) FROM pg_constraint WHERE contype = 'f' AND confrelid = 'payment'::regclass"
     assert _value(databases["head"], keys_into_payment) - _value(databases["no payment keys"], keys_into_payment) == 2
     indexes = "SELECT count(*) FROM pg_index WHERE indrelid = 'payment'::regclass"
-    assert _value(databases["head"], indexes) == 4 and _value(databases["payment key only"], indexes) == 1
+    assert _value(databases["head"], indexes) == 3 and _value(databases["payment key only"], indexes) == 1
+    assert _value(databases["before 0014"], indexes) == 4
+    # Every update of payment is HOT on the head's schema (four variants ran
+    # on it, two updates a payment) and none on the schema before 0014.
+    head_updates = 4 * PAYMENTS * 2
+    assert _updates(databases["head"], head_updates) == (head_updates, head_updates)
+    assert _updates(databases["before 0014"], PAYMENTS * 2) == (PAYMENTS * 2, 0)
     scripts = {name: path.read_text() for name, path in files.items()}
     assert "JOIN idempotency_key" in scripts["as is"] and "-- 1. " not in scripts["no lookup"]
     assert "idempotency_key" not in scripts["no key row"]
