@@ -27,7 +27,9 @@ variant takes one part out of it, or changes the schema under it:
                        webhook queue's join, which needs the event)
     2 key partitions   the key table with two day partitions instead of the
                        eight a fresh database has (the legacy one and seven
-                       days ahead): a look for a key probes every partition
+                       days ahead): before migration 0015 a look for a key
+                       probed every partition; since, the days after
+                       tomorrow are pruned, so this should cost nothing
     no keys to payment the foreign keys of ledger_entry and event into
                        payment dropped (each checked per inserted row)
     payment: its key   payment with its primary key only, as the twin's
@@ -43,6 +45,11 @@ variant takes one part out of it, or changes the schema under it:
                        statement, not with the payment, so that neither of
                        the payment's updates can be HOT: what that migration
                        saved
+    before 0015        both looks for the key (the caller's lookup, the
+                       claim's) in every day's partition, the empty days
+                       ahead included, as before migration 0015:
+                       key_table_last_day() made to answer 'infinity', so
+                       that nothing is pruned
     naive twin         the twin's own statements (its lookup, its insert, two
                        updates, two ledger postings), on its own tables
 
@@ -57,11 +64,12 @@ ways: payments/s (pgbench's transactions/s: one transaction is one
 payment's statements, each committed on its own as the service commits
 them), the PostgreSQL server's CPU per payment (all its processes:
 backends, WAL writer, checkpointer, autovacuum; pgbench's own CPU is not
-in it), and the bytes of WAL the server wrote per payment. The CPU figure
-is the one to read: pgbench shares the two CPUs, so its rate says less.
-The WAL figure does not drift with the machine's speed (each run starts
-after a checkpoint, so the first change of each page is written whole in
-every run alike). Every statement is prepared, on connections with the
+in it), and the bytes of WAL the server wrote per payment (every
+database's: a run that overlaps the server's own work, a checkpoint's
+whole pages or autovacuum, writes more, so this figure jumps between
+runs too; bench/explain.py counts each statement's WAL exactly). The CPU
+figure is the one to read: pgbench shares the two CPUs, so its rate says
+less. Every statement is prepared, on connections with the
 service's own settings (`plan_cache_mode`, as app/db/engine.py sets it).
 The databases are dropped at the end.
 
@@ -218,6 +226,7 @@ VARIANTS = [
     Variant("no keys to payment", "no payment keys"),
     Variant("payment: its key only", "payment key only", without_on_conflict),
     Variant("before 0014", "before 0014", before_0014),
+    Variant("before 0015", "before 0015"),
     Variant("naive twin", "head", twin=True),
 ]
 SCHEMAS = {
@@ -232,6 +241,9 @@ SCHEMAS = {
                     "CREATE UNIQUE INDEX payment_reference_in_force ON payment (client_id, reference) "
                     "WHERE status NOT IN ('declined', 'failed')",
                     "CREATE INDEX payment_indeterminate ON payment (payout_instructed_at) WHERE status = 'indeterminate'"],
+    # No bound on the day a key row can be stored on: every partition is looked in, as before 0015.
+    "before 0015": ["CREATE OR REPLACE FUNCTION key_table_last_day() RETURNS date LANGUAGE sql STABLE "
+                    "AS $$ SELECT date 'infinity' $$"],
     "payment key only": ["DROP INDEX payment_reference_in_force",
                          "ALTER TABLE payment DROP CONSTRAINT payment_end_to_end_reference_key"],
 }

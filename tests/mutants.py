@@ -79,7 +79,8 @@ KEYS = "tests/integration/test_key_table.py::"
 REFUNDS = "tests/integration/test_refunds.py::"
 REFUND_RACES = "tests/integration/test_refund_races.py::"
 REFUND_CRASH = "tests/crash/test_refund_crashes.py::"
-MIGRATION_0006 = "migrations/versions/0006_key_table_partitions.py"
+# The claim's function, as the head's last migration to replace it (0015) writes it.
+CLAIM_FUNCTION = "migrations/versions/0015_key_looks_skip_the_days_ahead.py"
 
 MUTANTS = (
     Mutant(
@@ -264,9 +265,9 @@ MUTANTS = (
         "two claims of one key are serialised, so one waits for the other even across midnight",
         (
             Edit(
-                MIGRATION_0006,
-                "            PERFORM pg_advisory_xact_lock(hashtextextended(p_client_id::text || '/' || p_key, 0));\n",
-                "            -- MUTANT: no lock: concurrent claims look before either commits\n",
+                CLAIM_FUNCTION,
+                "        PERFORM pg_advisory_xact_lock(hashtextextended(p_client_id::text || '/' || p_key, 0));\n",
+                "        -- MUTANT: no lock: concurrent claims look before either commits\n",
             ),
         ),
         (
@@ -279,16 +280,28 @@ MUTANTS = (
         "a claim looks for its key in every day's partition before it inserts one for today",
         (
             Edit(
-                MIGRATION_0006,
-                "            PERFORM 1 FROM idempotency_key WHERE client_id = p_client_id AND key = p_key;\n"
-                "            IF FOUND THEN\n                RETURN NULL;\n            END IF;\n",
-                "            -- MUTANT: no look: only today's partition's primary key is checked\n",
+                CLAIM_FUNCTION,
+                "        PERFORM 1 FROM idempotency_key WHERE client_id = p_client_id AND key = p_key{bound};\n"
+                "        IF FOUND THEN\n            RETURN NULL;\n        END IF;\n",
+                "        -- MUTANT: no look: only today's partition's primary key is checked\n",
             ),
         ),
         (
             KEYS + "test_a_retry_just_after_midnight_finds_yesterdays_key_and_claims_no_second_one",
             KEYS + "test_a_claim_held_open_across_midnight_makes_a_second_claim_of_its_key_wait_and_find_it",
         ),
+    ),
+    Mutant(
+        "claim-look-margin",
+        "a claim's look reaches the day after its own, where a claim that began after midnight stores its key",
+        (
+            Edit(
+                CLAIM_FUNCTION,
+                "        AS $$ SELECT key_table_day() + 1 $$\n",
+                "        AS $$ SELECT key_table_day() $$  -- MUTANT: no margin for a claim begun before midnight\n",
+            ),
+        ),
+        (KEYS + "test_a_claim_whose_day_is_still_before_midnight_finds_a_key_claimed_just_after_it",),
     ),
     Mutant(
         "refund-reservation",

@@ -89,10 +89,11 @@ _EVENT_NEW_ATTEMPT = _event(recovery_point="recovery_point", attempt="attempts +
 # The claim, the advance and the finish below are also the first step (the
 # "fence") of the single-statement phases (app/machine/statements.py).
 #
-# The claim calls claim_idempotency_key (migration 0006): it takes an
-# advisory lock on (client_id, key), looks for the key in every day's
-# partition with a snapshot taken after the lock, and inserts the row into
-# today's partition only if the key is nowhere. It returns the new lease
+# The claim calls claim_idempotency_key (migration 0006; its look bounded by
+# 0015): it takes an advisory lock on (client_id, key), looks for the key in
+# every day's partition up to tomorrow's with a snapshot taken after the
+# lock, and inserts the row into today's partition only if the key is
+# nowhere. It returns the new lease
 # token, or NULL (so no row here) when the key exists: the caller then reads
 # the stored row. Its INSERT fails with "no partition ... found for row" if
 # today's partition is missing (app/machine/matrix.py::_start answers that 503).
@@ -110,10 +111,15 @@ _LOAD = text(f"SELECT {_COLUMNS} FROM idempotency_key k WHERE k.client_id = :cli
 # Who is asking, and what (if anything) they stored under this key, in one
 # read: the common retry, of a finished payment, is answered from it alone.
 # Run by asyncpg itself (see app/db/engine.py), hence $1 and $2.
+# No key row is stored on a day after tomorrow (`key_table_last_day()`), so
+# the partitions of the days after it are pruned when the statement starts
+# and never probed, as in the claim's own look (an optimisation: migration
+# 0015, and docs/reference/performance.md, "A new payment's looks skip the
+# days ahead").
 CALLER_SQL = f"""
     SELECT c.id AS caller_id, {_COLUMNS}
       FROM client c
-      LEFT JOIN idempotency_key k ON k.client_id = c.id AND k.key = $2
+      LEFT JOIN idempotency_key k ON k.client_id = c.id AND k.key = $2 AND k.stored_on <= key_table_last_day()
      WHERE c.api_key_hash = $1
 """
 

@@ -25,11 +25,15 @@ from datetime import UTC, date, datetime, timedelta
 import asyncpg
 import httpx
 import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
+
+from app import client_accounts
 
 from app.config import asyncpg_url
 from app.db.transaction import atomic, autocommit, one_statement
 from app.idempotency import partitions
+from app.idempotency.key_table import CALLER_SQL
 from app.machine import engine as machine_engine
 from app.machine.declare import Operation
 from app.payments import phases
@@ -211,6 +215,69 @@ async def test_a_claim_held_open_across_midnight_makes_a_second_claim_of_its_key
     assert await payments_for(db, second["reference"]) == []
     reused = await http.post(stack.api + "/v1/payments", json=second, headers=headers(acme, "k-held"))
     assert reused.status_code == 422 and reused.json()["type"] == "/problems/idempotency-key-reused"
+
+
+async def test_a_claim_whose_day_is_still_before_midnight_finds_a_key_claimed_just_after_it(
+    db, engine, acme, key_clock
+):
+    # The reverse of the test above: the claim that waits began before
+    # midnight, the one it waits for just after, and stored its key on the
+    # later day. Bug caught: a claim's look bounded at its own day (not the
+    # day after, key_table_last_day() in migration 0015), which would miss
+    # the key and insert a second row for it on the earlier day.
+    eve = today() + timedelta(days=1)
+    first, second = payment_body(), payment_body()
+    await key_clock.set(midnight(eve + timedelta(days=1)) + timedelta(milliseconds=1))
+    async with engine.connect() as conn:
+        async with conn.begin():
+            request = PaymentRequest.model_validate(first)
+            op = await phases.handler1(
+                conn, PAYMENT, client_id=acme.id, key="k-after", request_hash=fingerprint(request), request=request,
+                lease_seconds=30,
+            )
+            assert op is not None
+            await key_clock.set(midnight(eve + timedelta(days=1)) - timedelta(milliseconds=1))
+            early = asyncio.create_task(claim(engine, acme, "k-after", second))
+
+            async def waiting_or_done() -> bool:
+                return early.done() or await waiting_on_locks(db, 1)
+
+            await until(waiting_or_done, "the earlier day's claim to wait for the later one")
+    assert await early is None, "the claim must find the key stored on the day after its own"
+
+    assert [r["partition"] for r in await key_rows(db, acme.id, "k-after")] == [
+        partitions.partition_name(eve + timedelta(days=1))
+    ]
+    assert await payments_for(db, second["reference"]) == []
+
+
+async def test_a_new_payments_looks_for_its_key_probe_no_partition_after_tomorrows(engine, acme):
+    # Bug caught: the caller's lookup or the claim's look probing the empty
+    # partitions of the days ahead (migration 0015 prunes them): the counts
+    # are this transaction's own, whatever else the database is doing.
+    key = "k-probes"
+    request = PaymentRequest.model_validate(payment_body())
+
+    async def look_claim_and_count(conn):
+        await conn.exec_driver_sql(CALLER_SQL, (client_accounts.hash_api_key(acme.api_key), key))
+        assert await phases.handler1(conn, PAYMENT, client_id=acme.id, key=key, request_hash=fingerprint(request),
+                                     request=request, lease_seconds=30) is not None
+        rows = await conn.execute(text(
+            "SELECT c.relname AS partition, pg_stat_get_xact_numscans(i.indexrelid) AS probes "
+            "FROM pg_inherits h JOIN pg_class c ON c.oid = h.inhrelid "
+            "JOIN pg_index i ON i.indrelid = c.oid AND i.indisprimary "
+            "WHERE h.inhparent = CAST('idempotency_key' AS regclass)"
+        ))
+        return {r.partition: r.probes for r in rows}
+
+    probes = await atomic(engine, look_claim_and_count)
+    tomorrow = today() + timedelta(days=1)
+    later = {name: n for name, n in probes.items() if name > partitions.partition_name(tomorrow)
+             and name != "idempotency_key_legacy"}
+    assert later and set(later.values()) == {0}, probes  # six days ahead, never probed
+    # Today's and tomorrow's are probed by both looks (the legacy partition
+    # reaches to the day after migration 0006 ran, so it may stand for them).
+    assert sum(n for name, n in probes.items() if name not in later) >= 2, probes
 
 
 async def test_a_claim_on_a_day_without_a_partition_is_answered_503_and_stores_nothing(

@@ -593,3 +593,36 @@ async def test_0014_keeps_every_payment_frees_the_references_of_ended_ones_and_i
     finally:
         await engine.dispose()
     assert [(payment.id, key) for payment, key in found] == [(parked, "k1")]
+
+
+async def test_0015_keeps_every_key_row_and_its_claims_look_up_to_tomorrow_only(scratch):
+    await migrate(scratch, revision_before("0015"))
+    conn = await asyncpg.connect(scratch)
+    try:
+        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
+        await conn.execute("INSERT INTO idempotency_key (client_id, key, endpoint, request_hash, state, recovery_point)"
+                           " VALUES ($1, 'k-old', 'POST /v1/payments', '\\x00', 'started', 'EXT1_SENT')", client)
+        before = [dict(r) for r in await conn.fetch("SELECT * FROM idempotency_key ORDER BY key")]
+    finally:
+        await conn.close()
+
+    await migrate(scratch, "0015")
+
+    # A claim with no payment (NULL): what the look finds is all this is about.
+    claim = "SELECT claim_idempotency_key($1, $2, 'POST /v1/payments', '\\x00', 'EXT1_SENT', NULL, 30)"
+    conn = await asyncpg.connect(scratch)
+    try:
+        assert [dict(r) for r in await conn.fetch("SELECT * FROM idempotency_key ORDER BY key")] == before
+        today = await conn.fetchval("SELECT key_table_day()")
+        assert await conn.fetchval("SELECT key_table_last_day()") == today + timedelta(days=1)
+        # The key that exists is found (no second row), a new one is claimed.
+        assert await conn.fetchval(claim, client, "k-old") is None
+        assert await conn.fetchval(claim, client, "k-new") is not None
+        assert await conn.fetchval("SELECT count(*) FROM idempotency_key WHERE key = 'k-old'") == 1
+        # A row stored after tomorrow is one the bound says cannot exist: the
+        # look does not reach it (which is what spares the days ahead).
+        later = today + timedelta(days=3)
+        await conn.execute("UPDATE idempotency_key SET stored_on = $1 WHERE key = 'k-new'", later)
+        assert await conn.fetchval(claim, client, "k-new") is not None
+    finally:
+        await conn.close()

@@ -108,6 +108,7 @@ def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str
         "no keys to payment": ours,
         "payment: its key only": ours,
         "before 0014": ours,
+        "before 0015": ours,
         "naive twin": {"naive.payment": 3, "naive.ledger_entry": 15},
     }
     # And each schema is what its variant says.
@@ -118,6 +119,9 @@ def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str
     indexes = "SELECT count(*) FROM pg_index WHERE indrelid = 'payment'::regclass"
     assert _value(databases["head"], indexes) == 3 and _value(databases["payment key only"], indexes) == 1
     assert _value(databases["before 0014"], indexes) == 4
+    last_day = "SELECT key_table_last_day() - key_table_day()"
+    assert _value(databases["head"], last_day) == 1
+    assert _value(databases["before 0015"], "SELECT CAST(key_table_last_day() = 'infinity' AS int)") == 1
     # Every update of payment is HOT on the head's schema (four variants ran
     # on it, two updates a payment) and none on the schema before 0014.
     head_updates = 4 * PAYMENTS * 2
