@@ -186,29 +186,41 @@ async def test_concurrent_posts_of_one_key_straddling_midnight_make_one_key_one_
     assert len(await charges(db, body["reference"])) == 1
 
 
+async def second_claim_while_the_first_is_open(db, engine, acme, key_clock, key: str, first: dict, second: dict,
+                                              first_at: datetime, second_at: datetime) -> Operation | None:
+    """Claim `key` for `first` at `first_at` and hold its transaction open; claim it for `second` at
+    `second_at`, which waits for the first's lock; commit the first, and return what the second claim got."""
+    await key_clock.set(first_at)
+    async with engine.connect() as conn:
+        async with conn.begin():
+            request = PaymentRequest.model_validate(first)
+            op = await phases.handler1(
+                conn, PAYMENT, client_id=acme.id, key=key, request_hash=fingerprint(request), request=request,
+                lease_seconds=30,
+            )
+            assert op is not None
+            await key_clock.set(second_at)
+            waiting = asyncio.create_task(claim(engine, acme, key, second))
+
+            async def waiting_or_done() -> bool:
+                return waiting.done() or await waiting_on_locks(db, 1)
+
+            await until(waiting_or_done, "the second claim to wait for the first")
+        # The first claim commits here.
+    return await waiting
+
+
 async def test_a_claim_held_open_across_midnight_makes_a_second_claim_of_its_key_wait_and_find_it(
     stack, http, db, engine, acme, key_clock
 ):
     eve = today() + timedelta(days=1)
     first, second = payment_body(), payment_body()  # a client bug: one key, two different orders
-    await key_clock.set(midnight(eve + timedelta(days=1)) - timedelta(milliseconds=1))
-    async with engine.connect() as conn:
-        async with conn.begin():
-            request = PaymentRequest.model_validate(first)
-            op = await phases.handler1(
-                conn, PAYMENT, client_id=acme.id, key="k-held", request_hash=fingerprint(request), request=request,
-                lease_seconds=30,
-            )
-            assert op is not None
-            await key_clock.set(midnight(eve + timedelta(days=1)) + timedelta(milliseconds=1))
-            late = asyncio.create_task(claim(engine, acme, "k-held", second))
-
-            async def waiting_or_done() -> bool:
-                return late.done() or await waiting_on_locks(db, 1)
-
-            await until(waiting_or_done, "the second claim to wait for the first")
-        # The first claim commits here, a millisecond after midnight.
-    assert await late is None, "the second claim must find the first one's key, not claim its own"
+    midnight_after_eve = midnight(eve + timedelta(days=1))
+    late = await second_claim_while_the_first_is_open(
+        db, engine, acme, key_clock, "k-held", first, second,
+        first_at=midnight_after_eve - timedelta(milliseconds=1), second_at=midnight_after_eve + timedelta(milliseconds=1),
+    )
+    assert late is None, "the second claim must find the first one's key, not claim its own"
 
     assert [r["partition"] for r in await key_rows(db, acme.id, "k-held")] == [partitions.partition_name(eve)]
     assert len(await payments_for(db, first["reference"])) == 1
@@ -227,23 +239,12 @@ async def test_a_claim_whose_day_is_still_before_midnight_finds_a_key_claimed_ju
     # the key and insert a second row for it on the earlier day.
     eve = today() + timedelta(days=1)
     first, second = payment_body(), payment_body()
-    await key_clock.set(midnight(eve + timedelta(days=1)) + timedelta(milliseconds=1))
-    async with engine.connect() as conn:
-        async with conn.begin():
-            request = PaymentRequest.model_validate(first)
-            op = await phases.handler1(
-                conn, PAYMENT, client_id=acme.id, key="k-after", request_hash=fingerprint(request), request=request,
-                lease_seconds=30,
-            )
-            assert op is not None
-            await key_clock.set(midnight(eve + timedelta(days=1)) - timedelta(milliseconds=1))
-            early = asyncio.create_task(claim(engine, acme, "k-after", second))
-
-            async def waiting_or_done() -> bool:
-                return early.done() or await waiting_on_locks(db, 1)
-
-            await until(waiting_or_done, "the earlier day's claim to wait for the later one")
-    assert await early is None, "the claim must find the key stored on the day after its own"
+    midnight_after_eve = midnight(eve + timedelta(days=1))
+    early = await second_claim_while_the_first_is_open(
+        db, engine, acme, key_clock, "k-after", first, second,
+        first_at=midnight_after_eve + timedelta(milliseconds=1), second_at=midnight_after_eve - timedelta(milliseconds=1),
+    )
+    assert early is None, "the claim must find the key stored on the day after its own"
 
     assert [r["partition"] for r in await key_rows(db, acme.id, "k-after")] == [
         partitions.partition_name(eve + timedelta(days=1))
