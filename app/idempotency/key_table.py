@@ -93,10 +93,10 @@ _EVENT_NEW_ATTEMPT = _event(recovery_point="recovery_point", attempt="attempts +
 # 0015): it takes an advisory lock on (client_id, key), looks for the key in
 # every day's partition up to tomorrow's with a snapshot taken after the
 # lock, and inserts the row into today's partition only if the key is
-# nowhere. It returns the new lease
-# token, or NULL (so no row here) when the key exists: the caller then reads
-# the stored row. Its INSERT fails with "no partition ... found for row" if
-# today's partition is missing (app/machine/matrix.py::_start answers that 503).
+# nowhere. It returns the new lease token, or NULL (so no row here) when the
+# key exists: the caller then reads the stored row. Its INSERT fails with "no
+# partition ... found for row" if today's partition is missing
+# (app/machine/matrix.py::_start answers that 503).
 # `stored_on` is the day the function stored the row under: key_table_day()
 # reads the transaction's clock, the same inside the function and out.
 CLAIM_SQL = """
