@@ -204,7 +204,7 @@ SELECT d.client_id, d.key, (d.created_at AT TIME ZONE 'UTC')::date, k.endpoint,
            '"net_amount":%s,"beneficiary":{{"name":"%s","iban":"%s"}},"end_to_end_reference":%s,"failure":%s,'
            '"created_at":"%s"}}',
            d.payment_id, d.status, d.reference, k.amount, k.currency, k.fee, k.net, k.beneficiary_name, k.beneficiary_iban,
-           coalesce('"' || d.e2e || '"', 'null'),
+           CASE WHEN d.instructed THEN '"' || d.e2e || '"' ELSE 'null' END,  -- as PaymentView shows it
            CASE d.outcome
                 WHEN 'declined' THEN '{{"stage":"charge","code":"card_declined","message":"The card was declined '
                                      'by the PSP; nothing was charged."}}'
