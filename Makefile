@@ -13,7 +13,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run cluster cluster-ha soak soak-ha test test-batches test-batches-1000 mutants bench bench-batch bench-rate bench-explain bench-db-parts bench-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
+.PHONY: install run cluster cluster-ha soak soak-ha test test-batches test-batches-1000 mutants bench bench-batch bench-rate bench-outbox bench-explain bench-db-parts bench-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
 
 install: $(STAMP)
 
@@ -130,6 +130,11 @@ bench-batch: $(STAMP)
 # workers, the rate as the median of the rounds' ratios and the service database's CPU per payment.
 bench-rate: $(STAMP)
 	$(BIN)/python -m bench.run --rate-only
+
+# Only the rounds that judge the outbox's cost: new payments with and without webhooks at once (bench/outbox.py),
+# six rounds at 1 and 2 workers after a warm-up, the service's CPU per payment with ÷ without (target 1.05x).
+bench-outbox: $(STAMP)
+	$(BIN)/python -m bench.run --outbox-only
 
 # One new payment's every statement under EXPLAIN (ANALYZE, BUFFERS, WAL), phased and naive, on a PostgreSQL
 # of the bench's own (docs/reference/performance.md#one-new-payment-in-the-database-statement-by-statement).

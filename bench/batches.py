@@ -239,7 +239,7 @@ async def measure(dbs: Databases, psp: Service, rail: Service, *, rows: int = RO
         "ratio_one_after_the_other": round(rows_per_second / http_rate, 3) if http_rate else None,
         **timing,
         "side_by_side": together,
-        "target": report._target("batch", together["ratio"]),
+        "target": report.target("batch", together["ratio"]),
         "exactly_once": {"pass": all(c.ok for c in checks),
                          "checks": [{"check": c.name, "ok": c.ok, "detail": c.detail} for c in checks]},
     }

@@ -19,7 +19,13 @@ alike. Each round counts, per payment that succeeded:
     without   its API's CPU, and its API's database sessions'
     with      the same for its API, and the worker's CPU and its sessions'
               (the dispatcher's claims, POSTs and records), counted until
-              every webhook of the round is delivered
+              the fake merchant has applied every webhook of the round
+
+Delivered is the merchant's word, not ours: a webhook counts once the
+merchant's inbox holds its webhook-id, the event's id
+(`fake_merchant.processed_message`, in the fakes' database), whatever the
+service's `webhook_delivery` keeps of it: that table is the dispatcher's
+bookkeeping, and a delivery that succeeded need not leave a row there.
 
 The worker's other loops (recovery, retention, reconciliation) sweep all
 the time, webhooks or not: a deployment without endpoints runs them too. So
@@ -115,49 +121,77 @@ class Meter:
         return processes, sessions
 
 
-async def backlog(conn: asyncpg.Connection) -> int:
-    """Deliveries not yet delivered or given up."""
-    return await conn.fetchval("SELECT count(*) FROM webhook_delivery WHERE state = 'pending'")
+async def applied(merchant: asyncpg.Connection) -> int:
+    """The webhooks the fake merchant has applied: the ids in its inbox, each once (its primary key)."""
+    return await merchant.fetchval("SELECT count(*) FROM fake_merchant.processed_message")
 
 
-async def drained(conn: asyncpg.Connection) -> float | None:
-    """Seconds until nothing is pending (the dispatcher has caught up); None if something still is after
-    DRAIN_WAIT_SECONDS."""
+async def backlog(service: asyncpg.Connection, merchant: asyncpg.Connection, client_id: int) -> int:
+    """The client's events whose webhooks the fake merchant has not applied yet.
+
+    One the dispatcher gave up on stays here for good: it was never delivered.
+
+    The merchant is this client's endpoint and no other's, so every id in
+    its inbox is one of the client's events. The inbox is read first: each
+    id in it is of an event already committed, so the events read after
+    are at least as many, and a webhook applied between the two reads cannot
+    take the backlog below zero.
+    """
+    done = await applied(merchant)
+    return await service.fetchval("SELECT count(*) FROM event WHERE client_id = $1", client_id) - done
+
+
+async def drained(service: asyncpg.Connection, merchant: asyncpg.Connection, client_id: int) -> float | None:
+    """Seconds until the merchant has applied every event of the client (the dispatcher has caught up);
+    None if some are still not applied after DRAIN_WAIT_SECONDS."""
     started = time.monotonic()
     while time.monotonic() - started < DRAIN_WAIT_SECONDS:
-        if await backlog(conn) == 0:
+        if await backlog(service, merchant, client_id) == 0:
             return round(time.monotonic() - started, 2)
         await asyncio.sleep(0.05)  # polling the backlog, bounded by DRAIN_WAIT_SECONDS
     return None
 
 
-async def delivered_check(service_url: str, client_id: int, run: RunResult) -> tuple[bool, str]:
-    """Every payment of the round that succeeded has its event, and its event's webhook was delivered."""
-    conn = await asyncpg.connect(service_url)
+async def delivered_check(service_url: str, merchant_url: str, client_id: int, run: RunResult) -> tuple[bool, str]:
+    """Every payment of the round that succeeded has its event, and the merchant applied its event's webhook."""
+    service = await asyncpg.connect(service_url)
     try:
-        row = await conn.fetchrow(
-            "SELECT count(*) AS succeeded, count(d.event_id) FILTER (WHERE d.state = 'delivered') AS delivered "
-            "FROM payment p LEFT JOIN event e ON e.payment_id = p.id "
-            "LEFT JOIN webhook_delivery d ON d.event_id = e.id "
+        rows = await service.fetch(
+            "SELECT e.id::text AS event_id FROM payment p LEFT JOIN event e ON e.payment_id = p.id "
             "WHERE p.client_id = $1 AND p.status = 'succeeded' AND p.reference = ANY($2::text[])",
             client_id, [p.reference for p in run.paid])
     finally:
-        await conn.close()
-    ok = row["succeeded"] == row["delivered"] == run.succeeded
-    return ok, f"{run.succeeded} answered 201, {row['succeeded']} succeeded, {row['delivered']} webhooks delivered"
+        await service.close()
+    events = [r["event_id"] for r in rows if r["event_id"] is not None]
+    merchant = await asyncpg.connect(merchant_url)
+    try:
+        delivered = await merchant.fetchval(
+            "SELECT count(*) FROM fake_merchant.processed_message WHERE webhook_id = ANY($1::text[])", events)
+    finally:
+        await merchant.close()
+    ok = len(rows) == delivered == run.succeeded
+    return ok, f"{run.succeeded} answered 201, {len(rows)} succeeded, {delivered} webhooks applied by the merchant"
 
 
 async def side_by_side(apis: dict[str, Service], worker: Service, loads: dict[str, Load], server_url: str,
-                       service_url: str, count: int, seconds: float) -> tuple[dict[str, Any], dict[str, list]]:
-    """`count` rounds of new payments against both APIs at once: the figures, and each side's results to check."""
+                       service_url: str, merchant_url: str, client_id: int, count: int, seconds: float,
+                       warmup: float = 1.0) -> tuple[dict[str, Any], dict[str, list]]:
+    """`count` rounds of new payments against both APIs at once: the figures, and each side's results to check.
+
+    `client_id` is the `with` side's client, whose endpoint is the fake
+    merchant keeping its records at `merchant_url`. Before the rounds, both
+    sides run `warmup` seconds, not counted: their connections up, and
+    APIs that have served nothing yet past their first requests.
+    """
     conn = await asyncpg.connect(server_url)
     service = await asyncpg.connect(service_url)
+    merchant = await asyncpg.connect(merchant_url)
     meter = Meter(conn, server_url, {**apis, "worker": worker})
     rounds: list[dict[str, Any]] = []
     results: dict[str, list[RunResult]] = {side: [] for side in SIDES}
     try:
-        await asyncio.gather(*(loads[side].new_payments(1.0) for side in SIDES))  # connections up
-        await drained(service)
+        await asyncio.gather(*(loads[side].new_payments(warmup) for side in SIDES))
+        await drained(service, merchant, client_id)
         idle_from, idle_started = await meter.mark(), time.monotonic()
         await asyncio.sleep(IDLE_SECONDS)  # measuring the worker's CPU at rest, not waiting for anything
         idle_cpu, idle_sessions = Meter.spent(idle_from, await meter.mark(), "worker")
@@ -167,10 +201,12 @@ async def side_by_side(apis: dict[str, Service], worker: Service, loads: dict[st
             before, started = await meter.mark(), time.monotonic()
             ran = dict(zip(SIDES, await asyncio.gather(*(loads[side].new_payments(seconds) for side in SIDES))))
             load_end = await meter.mark()
-            caught_up = await drained(service)
+            left = await backlog(service, merchant, client_id)
+            caught_up = await drained(service, merchant, client_id)
             after = await meter.mark()
             elapsed = time.monotonic() - started
-            figures: dict[str, Any] = {"drained_after_end_s": caught_up, "seconds": round(elapsed, 2)}
+            figures: dict[str, Any] = {"backlog_at_end": left, "drained_after_end_s": caught_up,
+                                       "seconds": round(elapsed, 2)}
             for side in SIDES:
                 results[side].append(ran[side])
                 api, sessions = Meter.spent(before, load_end, side)
@@ -196,6 +232,7 @@ async def side_by_side(apis: dict[str, Service], worker: Service, loads: dict[st
             figures["rate_ratio"] = round(w["per_second"] / wo["per_second"], 4) if wo["per_second"] else None
             rounds.append(figures)
     finally:
+        await merchant.close()
         await service.close()
         await conn.close()
     return summary(rounds) | {"worker_at_rest_cpu_ms_per_s": [round(1000 * rest_cpu, 3), round(1000 * rest_sessions, 3)]}, results
@@ -215,5 +252,6 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "medians": {side: {part: median([r[side].get(part) for r in rounds]) for part in parts
                            if any(part in r[side] for r in rounds)} for side in SIDES},
         "all_drained": all(r["drained_after_end_s"] is not None for r in rounds),
+        "backlog_at_end": [r.get("backlog_at_end") for r in rounds],
         "drained_after_end_s": [r["drained_after_end_s"] for r in rounds],
     }

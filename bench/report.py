@@ -138,7 +138,7 @@ def worst_balance(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {"kind": r["kind"], "round": r["round"], **b, "connections": r.get("api_connections_by_process", [])}
 
 
-def _target(key: str, value: float | None) -> dict[str, Any]:
+def target(key: str, value: float | None) -> dict[str, Any]:
     name, op, goal, unit = TARGETS[key]
     goal_text = f"{op.replace('==', '=')} {goal:g}{unit}"
     if value is None:
@@ -221,16 +221,16 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             "side_by_side": side,
             "api_balance_worst": worst,
             "targets": [
-                _target("rate", rate),
-                _target("db_cpu", db_cpu),
-                *([_target("replays", replay_ratio)] if replays else []),
-                _target("writes", phased and phased["writing_txns"]),
-                _target("p99", p99),
-                *([_target("watching", watching)] if unwatched else []),
-                *([_target("watching_replays", side_on.get("rate_ratio"))] if side else []),
-                *([_target("outbox", outbox_figures.get("cpu_ratio"))] if outbox else []),
-                *([_target("refund_writes", refunds["writing_txns"])] if refunds else []),
-                *([_target("balance", worst and worst["max_over_min"])] if workers > 1 else []),
+                target("rate", rate),
+                target("db_cpu", db_cpu),
+                *([target("replays", replay_ratio)] if replays else []),
+                target("writes", phased and phased["writing_txns"]),
+                target("p99", p99),
+                *([target("watching", watching)] if unwatched else []),
+                *([target("watching_replays", side_on.get("rate_ratio"))] if side else []),
+                *([target("outbox", outbox_figures.get("cpu_ratio"))] if outbox else []),
+                *([target("refund_writes", refunds["writing_txns"])] if refunds else []),
+                *([target("balance", worst and worst["max_over_min"])] if workers > 1 else []),
             ],
         })
     return {

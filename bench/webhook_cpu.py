@@ -5,7 +5,10 @@ drives new payments from the client with a webhook endpoint at the fake
 merchant for `--seconds`, waits until the dispatcher has delivered all of
 them, and divides the worker process's CPU seconds (psutil's user + system)
 over that span by the webhooks delivered in it. The worker's other loops run
-too (their sweeps are a small, constant part: `idle` shows it).
+too (their sweeps are a small, constant part: `idle` shows it). Delivered
+is the merchant's word: the webhooks its inbox applied (bench/outbox.py),
+not the service's `webhook_delivery` rows, which a delivery that succeeded
+need not leave.
 
 Every process listens on a port given here (`--port-base` and the next five),
 on the embedded PostgreSQL of EMBEDDED_PG_PORT / PAYMENTS_DATA_DIR, in
@@ -28,7 +31,9 @@ import asyncpg
 import psutil
 import typer
 
+from bench import outbox
 from bench.load import Load
+from bench.costs import STATS_SETTLE_SECONDS
 from bench.system import LOGS, console
 from devtools.system import System
 
@@ -41,14 +46,15 @@ def cpu_seconds(pid: int) -> float:
     return times.user + times.system
 
 
-async def measure(api_url: str, api_key: str, service_url: str, worker_pid: int, seconds: float,
-                  concurrency: int) -> dict[str, float]:
+async def measure(api_url: str, api_key: str, service_url: str, merchant_url: str, client_id: int, worker_pid: int,
+                  seconds: float, concurrency: int) -> dict[str, float]:
     conn = await asyncpg.connect(service_url)
+    merchant = await asyncpg.connect(merchant_url)
 
     async def counts() -> tuple[int, int]:
-        row = await conn.fetchrow("SELECT count(*) FILTER (WHERE state = 'delivered') AS delivered, "
-                                  "count(*) FILTER (WHERE state = 'pending') AS pending FROM webhook_delivery")
-        return row["delivered"], row["pending"]
+        """The webhooks the merchant has applied, and the client's events it has not (bench/outbox.py)."""
+        pending = await outbox.backlog(conn, merchant, client_id)
+        return await outbox.applied(merchant), pending
 
     async def drained(limit: float = 60) -> None:
         deadline = time.monotonic() + limit
@@ -63,12 +69,23 @@ async def measure(api_url: str, api_key: str, service_url: str, worker_pid: int,
             await asyncio.sleep(5)
             idle = (cpu_seconds(worker_pid) - idle_from) / 5
             before_cpu, (before_delivered, _) = cpu_seconds(worker_pid), await counts()
+            before_db = await database_work(conn)
             started = time.monotonic()
             result = await load.new_payments(seconds)
-            await drained()
+            # Waiting on the merchant's database alone: a read of the service's would count in its figures.
+            deadline = time.monotonic() + 60
+            while await outbox.applied(merchant) < before_delivered + result.succeeded:
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)  # polling the merchant's inbox, bounded by the deadline
             elapsed = time.monotonic() - started
-            after_cpu, (after_delivered, pending) = cpu_seconds(worker_pid), await counts()
+            after_cpu = cpu_seconds(worker_pid)
+            # Backends publish their counters when idle, within STATS_SETTLE_SECONDS.
+            await asyncio.sleep(STATS_SETTLE_SECONDS)
+            after_db = await database_work(conn)
+            after_delivered, pending = await counts()
     finally:
+        await merchant.close()
         await conn.close()
     delivered = after_delivered - before_delivered
     cpu = after_cpu - before_cpu
@@ -81,7 +98,25 @@ async def measure(api_url: str, api_key: str, service_url: str, worker_pid: int,
         "idle_cpu_s_per_s": round(idle, 4),
         "cpu_ms_per_webhook": round(cpu / delivered * 1000, 4) if delivered else None,
         "cpu_ms_per_webhook_less_idle": round((cpu - idle * elapsed) / delivered * 1000, 4) if delivered else None,
+        # The service database's work per payment with its webhook, every process's (the API's and the
+        # worker's; the worker's other loops too): counters the machine's speed does not move.
+        "service_db_per_payment": {
+            name: round((after_db[name] - before_db[name]) / result.succeeded, 2) if result.succeeded else None
+            for name in after_db
+        },
     }
+
+
+# Counted for the service's database alone (the fakes' is another database on the same server).
+_DATABASE_WORK = """
+    SELECT blks_hit + blks_read AS blocks, tup_inserted + tup_updated + tup_deleted AS rows_written,
+           xact_commit AS commits
+      FROM pg_stat_database WHERE datname = current_database()
+"""
+
+
+async def database_work(conn: asyncpg.Connection) -> dict[str, int]:
+    return dict(await conn.fetchrow(_DATABASE_WORK))
 
 
 def main(
@@ -120,7 +155,8 @@ def main(
             worker.env["PYTHONPATH"] = str(app_dir.resolve())
         system.spawn(worker)
         console.print(f"worker pid {worker.pid}" + (f" on {app_dir}" if app_dir else ""))
-        figures = asyncio.run(measure(api.url, api_key, service_url, worker.pid, seconds, concurrency))
+        figures = asyncio.run(measure(api.url, api_key, service_url, rails_url, client_id, worker.pid, seconds,
+                                      concurrency))
     print(json.dumps({"label": label, **figures}), flush=True)
 
 
