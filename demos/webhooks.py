@@ -2,17 +2,19 @@
 and the merchant's inbox applying it once.
 
     1. A client with a webhook endpoint at the fake merchant pays once. The
-       phase that finishes the payment writes its event and the delivery in
-       the same statement: both are there before anything is sent.
-    2. A worker whose dispatcher dies at `webhook-after-delivery` claims the
-       delivery, POSTs it signed, the merchant verifies and applies it ... and
-       the worker dies before recording the answer. Our rows say: pending,
-       leased, attempt 1 with no outcome. The merchant's say: applied.
-    3. A second worker, once the dead one's lease runs out, claims it again
-       and POSTs the same event (the same webhook-id). The merchant's inbox
-       has seen it: acknowledged (200) and dropped.
+       phase that finishes the payment writes its event in the same
+       statement; nothing else is written for the webhook, and nothing sent.
+    2. A worker whose dispatcher dies at `webhook-after-delivery` leases the
+       cursor, reads the event behind it, POSTs it signed, the merchant
+       verifies and applies it ... and the worker dies before moving the
+       cursor. Ours say: the cursor leased and not moved, no delivery row.
+       The merchant's say: applied.
+    3. A second worker, once the dead one's lease runs out, reads the same
+       event and POSTs it again (the same webhook-id). The merchant's inbox
+       has seen it: acknowledged (200) and dropped. The cursor moves past
+       it, and its delivery row is written, delivered.
     4. The evidence: two POSTs received, one inbox row, the effect applied
-       once; our delivery `delivered` after two attempts.
+       once; our delivery `delivered`, its one attempt row the second POST's.
 
 Everything runs as real processes (see demos.system). Exit status 0 on PASS, 1 on FAIL.
 """
@@ -55,17 +57,27 @@ class Demo:
         self.http = httpx.Client(timeout=30)
         self.checks = Checks()
 
+    def cursor(self, event_id) -> tuple[bool, bool]:
+        """Whether the dispatchers' cursor is past the event, and whether a dispatcher holds it now."""
+        row = self.db.fetchrow(
+            "SELECT (e.written_by, e.id) <= (c.written_by, c.event_id) AS past, c.lease_expires_at > now() AS leased "
+            "FROM event e, webhook_cursor c WHERE e.id = $1", event_id)
+        return bool(row["past"]), bool(row["leased"])
+
     def ours(self, event_id) -> Table:
+        past, leased = self.cursor(event_id)
         d = self.db.fetchrow("SELECT * FROM webhook_delivery WHERE event_id = $1", event_id)
-        table = Table(title="ours: webhook_delivery and webhook_attempt", title_justify="left")
-        for column in ("state", "attempts", "leased", "attempt", "outcome", "status", "latency"):
+        table = Table(title="ours: webhook_cursor, webhook_delivery and webhook_attempt", title_justify="left")
+        for column in ("cursor", "delivery", "attempts", "attempt", "outcome", "status", "latency"):
             table.add_column(column)
+        where = ("past the event" if past else "before the event") + (", leased" if leased else "")
+        state, attempts = (d["state"], str(d["attempts"])) if d else ("(no row yet)", "-")
         for a in self.db.fetch("SELECT * FROM webhook_attempt WHERE event_id = $1 ORDER BY attempt", event_id):
-            table.add_row(d["state"], str(d["attempts"]), "yes" if d["lease_token"] else "no", f"#{a['attempt']}",
-                          a["outcome"] or "(none: died mid-flight)", str(a["status_code"] or "-"),
+            table.add_row(where, state, attempts, f"#{a['attempt']}", a["outcome"] or "(none yet)",
+                          str(a["status_code"] or "-"),
                           f"{a['latency_ms']:.0f} ms" if a["latency_ms"] is not None else "-")
         if table.row_count == 0:
-            table.add_row(d["state"], str(d["attempts"]), "yes" if d["lease_token"] else "no", "-", "-", "-", "-")
+            table.add_row(where, state, attempts, "-", "-", "-", "-")
         return table
 
     def theirs(self, event_id) -> Table:
@@ -104,22 +116,25 @@ class Demo:
             raise DemoError("the payment has no event")
         event_id = event["id"]
         console.print(f"event [bold]{event['type']}[/] {event_id}: written by the statement that finished the "
-                      "payment, with its delivery; nothing has been sent yet")
+                      "payment; nothing else is written for its webhook, and nothing has been sent yet")
         console.print(self.ours(event_id))
         self.checks.check("the decision and its event, together", "succeeded, 1 event", f"{payment['status']}, 1 event")
 
         step(console, 2, f"a worker's dispatcher delivers it, then dies ({POINT})")
         doomed = system.start_worker("doomed-worker", PAYMENTS_CRASH_AT=POINT, **WORKER)
         code = doomed.wait(30)
-        console.print(f"worker exited with code {code}: the merchant answered, the answer was never recorded")
+        console.print(f"worker exited with code {code}: the merchant answered, the cursor was never moved")
         self.checks.check("the dispatcher died at the crash point", 137, code)
         console.print(self.ours(event_id))
         console.print(self.theirs(event_id))
-        left = db.fetchrow("SELECT state, lease_token FROM webhook_delivery WHERE event_id = $1", event_id)
-        self.checks.check("left behind: pending, leased", "pending, leased",
-                          f"{left['state']}, {'leased' if left['lease_token'] else 'not leased'}")
+        past, leased = self.cursor(event_id)
+        rows = db.fetchval("SELECT count(*) FROM webhook_delivery WHERE event_id = $1", event_id)
+        self.checks.check("left behind: the cursor leased, not moved; no delivery row",
+                          "leased, before the event, 0 rows",
+                          f"{'leased' if leased else 'not leased'}, {'past' if past else 'before'} the event, {rows} rows")
 
-        step(console, 3, f"another worker takes it over once the lease ({LEASE_SECONDS} s) runs out, and POSTs it again")
+        step(console, 3, f"another worker reads it again once the cursor's lease ({LEASE_SECONDS} s) runs out, "
+                         "and POSTs it again")
         system.start_worker("worker", **WORKER)
         wait_for("the delivery to be recorded as delivered", lambda: db.fetchval(
             "SELECT state FROM webhook_delivery WHERE event_id = $1", event_id) == "delivered")
@@ -139,7 +154,7 @@ class Demo:
         self.checks.check("the merchant's view of the payment", "succeeded", applied["status"])
         outcomes = [a["outcome"] for a in db.fetch(
             "SELECT outcome FROM webhook_attempt WHERE event_id = $1 ORDER BY attempt", event_id)]
-        self.checks.check("our attempts", "[None, 'delivered']", str(outcomes))
+        self.checks.check("our attempts (the dead worker's left no row)", "['delivered']", str(outcomes))
         console.print(self.checks.table("checks"))
         console.print(Panel(json.dumps(json.loads(event["data"]), indent=1)[:600],
                             title=f"what the webhook carried (data), webhook-id {event_id}", border_style="blue"))

@@ -39,7 +39,7 @@ and [app/payments/returns.py](../../app/payments/returns.py), whose refund of a
 returned payout runs the payment's own `CHARGE_REFUNDED`, and in
 [app/payments/refunds/phases.py](../../app/payments/refunds/phases.py) for a
 client's refund) and, in every statement that finishes an operation, the
-outbox's event and webhook delivery ([app/outbox/events.py](../../app/outbox/events.py)),
+outbox's event ([app/outbox/events.py](../../app/outbox/events.py)),
 except a refusal stored under a claimed key, which changes no business row
 and emits nothing. Every write reads from the
 fence, or from a write that does: a statement run by an owner whose lease was

@@ -304,6 +304,33 @@ MUTANTS = (
         (KEYS + "test_a_claim_whose_day_is_still_before_midnight_finds_a_key_claimed_just_after_it",),
     ),
     Mutant(
+        "cursor-xmin",
+        "the webhook cursor reads only events of transactions older than every one still running",
+        (
+            Edit(
+                "app/outbox/delivery.py",
+                "                 AND e.written_by < pg_snapshot_xmin(pg_current_snapshot())\n",
+                "                 -- MUTANT: the cursor reads whatever is committed\n",
+            ),
+        ),
+        ("tests/integration/test_webhook_cursor.py::test_the_cursor_never_moves_past_an_event_whose_transaction_is_still_open",),
+        ("tests/integration/test_webhook_cursor.py::test_a_moved_batch_writes_each_attempts_rows_as_the_attempt_left_them",),
+    ),
+    Mutant(
+        "cursor-position",
+        "a dispatcher leases the webhook cursor only where it read it from, never after another moved it",
+        (
+            Edit(
+                "app/outbox/delivery.py",
+                "           AND (c.written_by, c.event_id) = (position.written_by, position.event_id)\n",
+                "           -- MUTANT: the lease is taken wherever the cursor is now\n",
+            ),
+        ),
+        ("tests/integration/test_webhook_cursor.py::"
+         "test_a_read_that_waited_for_a_move_does_not_lease_the_batch_it_read_before_it",),
+        ("tests/integration/test_webhook_cursor.py::test_a_batch_moved_after_its_lease_was_taken_over_writes_nothing",),
+    ),
+    Mutant(
         "refund-reservation",
         "a client refund reserves its amount only if what is left of the payment covers it, else a clean 409",
         (

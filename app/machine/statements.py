@@ -9,8 +9,8 @@ has the same shape, so only the middle is written by the phase:
               taken over (app/idempotency/key_table.py: ADVANCE_SQL, FINISH_SQL)
     ...       the phase's own writes, each reading FROM the fence, or from a
               write that does (the payment as `updated`, the ledger legs)
-    emitted   the event a client must hear about, and its webhook delivery
-    queued    (app/outbox/events.py: EMIT_SQL), only when the phase finishes
+    emitted   the event a client must hear about (app/outbox/events.py:
+              EMIT_SQL), only when the phase finishes
 
 So a stale owner's statement changes no row at all, exactly as a rolled-back
 transaction would, and the engine raises LeaseLost. The fence comes first,

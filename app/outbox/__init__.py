@@ -2,10 +2,10 @@
 
 Where it sits: beside the key table and the ledger, below the payment phases.
 A phase that decides something a client must hear about (app/payments/phases.py,
-app/payments/phases.py::indeterminate) writes an `event` row, and a `webhook_delivery`
-row if the client has a webhook endpoint, in the same statement or
-transaction as the decision (events.py). Nothing is sent then: the worker's
-dispatcher (app/workers/webhooks.py) later claims due deliveries, POSTs each
-one signed (delivery.py) with no transaction held, and records the attempt.
-`GET /v1/events` reads the same rows (events.py::feed).
+app/payments/phases.py::indeterminate) writes an `event` row in the same
+statement or transaction as the decision (events.py). Nothing is sent then:
+the worker's dispatcher (app/workers/webhooks.py) later reads the events
+behind its cursor, POSTs each one signed (delivery.py) with no transaction
+held, and writes the attempt; a failed one becomes a delivery row it
+retries. `GET /v1/events` reads the same rows (events.py::feed).
 """

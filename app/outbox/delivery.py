@@ -1,16 +1,28 @@
-"""Webhook delivery: claim, POST signed, record. At least once, so the receiver deduplicates.
+"""Webhook delivery: read or claim, POST signed, record. At least once, so the receiver deduplicates.
 
 Where it sits: after the commit, off every request's path. A phase wrote the
-event and its delivery with the decision (app/outbox/events.py); the
-dispatcher in `payments worker` (app/workers/webhooks.py) runs these three
-steps for each due delivery, and nothing else does: `claim` (one statement,
-committed before anything is sent: leased, the attempt counted, the secrets
-opened), `post` (signed with `standardwebhooks`, both signatures during a
-rotation's overlap; no transaction and no pooled connection held; connecting
-only where the egress policy, egress.py, permits) and `record` (one
-statement, each row fenced by its lease token). `decide` says what an answer
+event with the decision (app/outbox/events.py); the dispatcher in `payments
+worker` (app/workers/webhooks.py) delivers it, and nothing else does, in
+one of two ways.
+
+A first attempt comes from the events themselves: `take` (one statement,
+committed before anything is sent) leases the cursor (`webhook_cursor`) and
+reads the events after it, `post` sends each, and `move` (one statement,
+fenced by the cursor's lease) moves the cursor past them and writes each
+one's delivery row as its attempt left it, with the attempt's row. No row
+is written for a webhook before its first attempt, and none is updated on
+the way to `delivered`.
+
+A retry comes from its delivery row: `claim` (one statement, committed:
+leased, the attempt counted), `post`, and `record` (one statement, each row
+fenced by its lease token). A first attempt still in flight when its batch
+moves the cursor gets a leased row and is recorded that way too.
+
+`post` signs with `standardwebhooks` (both signatures during a rotation's
+overlap), holds no transaction and no pooled connection, and connects only
+where the egress policy (egress.py) permits. `decide` says what an answer
 leads to. docs/outbox-inbox.md#4-delivery-claim-post-record explains the
-lease, the retry schedule, and what a crash leaves.
+cursor, the lease, the retry schedule, and what a crash leaves.
 """
 
 from __future__ import annotations
@@ -126,6 +138,110 @@ _CLAIM = text(
     """
 )
 
+# The first attempts: lease the cursor and read the events after it, in the
+# order of the transactions that wrote them. Only events of transactions
+# older than every one still running are read (`pg_snapshot_xmin`): none of
+# those can commit any more, so the cursor never moves past an event that
+# becomes visible later. The cursor is leased only when there is something
+# to read and nobody holds it, and only if it is still where this statement
+# read it from: the UPDATE waits for a dispatcher moving it at the same
+# moment and then looks at the row again, so two dispatchers never hold a
+# batch at once, nor read the same one in turn. Every event read moves the
+# cursor; only those of a client with an endpoint, and no delivery row yet,
+# are sent (a row exists if a person asked for a delivery first, or a
+# service of the previous revision wrote one).
+_TAKE = text(
+    """
+    WITH position AS (
+        SELECT written_by, event_id FROM webhook_cursor
+    ), batch AS (
+        -- LATERAL, so that the position is a bound of the index scan, where
+        -- it starts; joined to it afterwards, it would filter every event.
+        SELECT e.*
+          FROM position, LATERAL (
+              SELECT e.written_by, e.id, e.client_id, e.type, e.data, e.created_at
+                FROM event e
+               WHERE e.written_by IS NOT NULL
+                 AND (e.written_by, e.id) > (position.written_by, position.event_id)
+                 AND e.written_by < pg_snapshot_xmin(pg_current_snapshot())
+               ORDER BY e.written_by, e.id
+               LIMIT :limit
+          ) e
+    ), taken AS (
+        UPDATE webhook_cursor c
+           SET lease_token = gen_random_uuid(),
+               lease_expires_at = now() + make_interval(secs => :lease_seconds)
+          FROM position
+         WHERE EXISTS (SELECT FROM batch)
+           AND (c.lease_expires_at IS NULL OR c.lease_expires_at <= now())
+           AND (c.written_by, c.event_id) = (position.written_by, position.event_id)
+        RETURNING c.lease_token
+    )
+    SELECT taken.lease_token, batch.written_by, batch.id AS event_id, batch.client_id, batch.type,
+           CASE WHEN w.url IS NOT NULL THEN CAST(batch.data AS text) END AS data, batch.created_at,
+           w.url, w.secret_sealed,
+           CASE WHEN w.previous_secret_until > now() THEN w.previous_secret_sealed END AS previous_secret_sealed,
+           EXISTS (SELECT FROM webhook_delivery d WHERE d.event_id = batch.id) AS has_delivery
+      FROM taken, batch LEFT JOIN webhook_endpoint w ON w.client_id = batch.client_id
+     ORDER BY batch.written_by, batch.id
+    """
+)
+
+# The batch's end, fenced by the cursor's lease: the cursor moves past the
+# events read and its lease is let go, and each attempt made gets its
+# delivery row as the attempt left it, with its attempt row; all or nothing,
+# and nothing at all if the lease was taken over meanwhile (the new holder
+# reads the batch again). An attempt still in flight gets a pending row
+# leased to this dispatcher (its task records it with `record`, as a
+# retry's); one that finished, a row in its final state, or pending until
+# its retry is due.
+_MOVE = text(
+    """
+    WITH moved AS (
+        UPDATE webhook_cursor c
+           SET written_by = CAST(:written_by AS xid8),
+               event_id = CAST(:event_id AS uuid),
+               lease_token = NULL,
+               lease_expires_at = NULL,
+               moved_at = now()
+         WHERE c.lease_token = :token
+        RETURNING 1
+    ), answer AS (
+        SELECT a.*
+          FROM unnest(CAST(:event_ids AS uuid[]), CAST(:client_ids AS bigint[]), CAST(:urls AS text[]),
+                      CAST(:states AS text[]), CAST(:outcomes AS text[]), CAST(:retry_ins AS float8[]),
+                      CAST(:status_codes AS int[]), CAST(:latencies AS float8[]), CAST(:error_classes AS text[]),
+                      CAST(:errors AS text[]))
+               AS a(event_id, client_id, url, state, outcome, retry_in, status_code, latency_ms, error_class, error)
+         WHERE EXISTS (SELECT FROM moved)
+    ), delivery AS (
+        INSERT INTO webhook_delivery
+            (event_id, client_id, state, attempts, next_attempt_at, lease_token, lease_expires_at,
+             last_status, last_error, delivered_at)
+        SELECT a.event_id, a.client_id, a.state, 1,
+               -- In flight (no outcome yet): not due again until the lease
+               -- runs out, exactly as a claim leaves a retry.
+               now() + make_interval(secs => CASE WHEN a.outcome IS NULL THEN :lease_seconds ELSE a.retry_in END),
+               CASE WHEN a.outcome IS NULL THEN CAST(:token AS uuid) END,
+               CASE WHEN a.outcome IS NULL THEN now() + make_interval(secs => :lease_seconds) END,
+               a.status_code, a.error, CASE WHEN a.state = 'delivered' THEN now() END
+          FROM answer a
+        -- A person's redelivery made a row after the read: theirs stands.
+        ON CONFLICT (event_id) DO NOTHING
+        RETURNING event_id
+    ), attempted AS (
+        INSERT INTO webhook_attempt
+            (event_id, attempt, url, started_at, finished_at, outcome, status_code, latency_ms, error_class, error)
+        SELECT a.event_id, 1, a.url,
+               now() - make_interval(secs => coalesce(a.latency_ms, 0) / 1000),
+               CASE WHEN a.outcome IS NOT NULL THEN now() END,
+               a.outcome, a.status_code, a.latency_ms, a.error_class, a.error
+          FROM answer a JOIN delivery USING (event_id)
+    )
+    SELECT count(*) AS moved FROM moved
+    """
+)
+
 # Every attempt that finished since the last record, in one statement
 # (app/workers/webhooks.py::Recorder): the arrays are zipped row by row,
 # and each row is fenced by its own lease token, exactly as if it were
@@ -200,7 +316,86 @@ _LIST = text(
 _ATTEMPTS = text(
     "SELECT * FROM webhook_attempt WHERE event_id = :event_id ORDER BY attempt"
 )
-_BACKLOG = text("SELECT count(*) FROM webhook_delivery WHERE state = 'pending'")
+# Pending retries, and the events after the cursor waiting for a first attempt.
+_BACKLOG = text(
+    """
+    SELECT (SELECT count(*) FROM webhook_delivery WHERE state = 'pending')
+         + (SELECT count(*)
+              FROM event e JOIN webhook_endpoint w ON w.client_id = e.client_id
+             WHERE e.written_by IS NOT NULL
+               AND (e.written_by, e.id) > (SELECT written_by, event_id FROM webhook_cursor)
+               AND NOT EXISTS (SELECT FROM webhook_delivery d WHERE d.event_id = e.id))
+    """
+)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Events read behind the cursor by the dispatcher now holding its lease."""
+
+    token: uuid.UUID  # the cursor's lease, which `move` is fenced by
+    written_by: int  # the last event passed: its transaction and id, where the cursor moves
+    last_event_id: uuid.UUID
+    to_send: list[Claimed]  # of a client with an endpoint, without a delivery row yet
+    full: bool  # more may be waiting right now: read again without a pause
+
+
+# How many events a read looks at for each webhook it may send: events of
+# clients without an endpoint are passed over, and should not leave a
+# batch's slots unused.
+READ_AHEAD = 4
+
+
+async def take(conn: AsyncConnection, *, limit: int, lease_seconds: float, key: SecretsKey) -> Batch | None:
+    """Lease the cursor and read the events after it, up to `limit` to send; None: nothing new, or another holds it.
+
+    The batch ends before the first event it has no slot for, so that the
+    cursor moves past exactly the events passed over or sent.
+    """
+    read = limit * READ_AHEAD
+    rows = (await conn.execute(_TAKE, dict(limit=read, lease_seconds=lease_seconds))).mappings().all()
+    if not rows:
+        return None
+    token, to_send, last = rows[0]["lease_token"], [], rows[0]
+    for r in rows:
+        # No endpoint: the client reads GET /v1/events; a removed endpoint's
+        # events are not sent (as its pending deliveries are cancelled).
+        if r["url"] is not None and not r["has_delivery"]:
+            if len(to_send) == limit:
+                break
+            to_send.append(Claimed(
+                event_id=r["event_id"], client_id=r["client_id"], attempt=1, due_attempt=1, lease_token=token,
+                url=r["url"], type=r["type"], data=r["data"], created_at=r["created_at"],
+                secret=r["secret_sealed"] and key.open_cached(r["secret_sealed"]),
+                previous_secret=r["previous_secret_sealed"] and key.open_cached(r["previous_secret_sealed"])))
+        last = r
+    return Batch(token, last["written_by"], last["event_id"], to_send, full=len(to_send) == limit or len(rows) == read)
+
+
+async def move(conn: AsyncConnection, batch: Batch, finished: list[Attempted], in_flight: list[Claimed], *,
+               lease_seconds: float) -> bool:
+    """Move the cursor past `batch`, writing each attempt's rows; False: its lease was taken over, nothing written."""
+    answers = [(a.claimed, a.answer, a.decision) for a in finished] + [(c, None, None) for c in in_flight]
+    row = (
+        await conn.execute(
+            _MOVE,
+            dict(
+                token=batch.token, written_by=batch.written_by, event_id=batch.last_event_id,
+                lease_seconds=lease_seconds,
+                event_ids=[c.event_id for c, _, _ in answers],
+                client_ids=[c.client_id for c, _, _ in answers],
+                urls=[c.url for c, _, _ in answers],
+                states=[_STATE[d.outcome] if d else "pending" for _, _, d in answers],
+                outcomes=[d.outcome if d else None for _, _, d in answers],
+                retry_ins=[d.retry_in if d else 0.0 for _, _, d in answers],
+                status_codes=[a.status_code if a else None for _, a, _ in answers],
+                latencies=[a.latency_ms if a else None for _, a, _ in answers],
+                error_classes=[a.error_class if a else None for _, a, _ in answers],
+                errors=[a.error if a else None for _, a, _ in answers],
+            ),
+        )
+    ).one()
+    return row.moved == 1
 
 
 async def claim(conn: AsyncConnection, *, limit: int, lease_seconds: float, key: SecretsKey) -> list[Claimed]:
@@ -271,7 +466,7 @@ async def deliveries(conn: AsyncConnection, state: str | None, limit: int) -> li
 
 
 async def backlog(conn: AsyncConnection) -> int:
-    """Deliveries not yet delivered or given up (pending)."""
+    """Webhooks not yet delivered or given up: pending retries, and events waiting for a first attempt."""
     return (await conn.execute(_BACKLOG)).scalar_one()
 
 

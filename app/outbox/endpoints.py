@@ -65,12 +65,27 @@ _UPSERT = text(
     """
 )
 _REMOVE = text("DELETE FROM webhook_endpoint WHERE client_id = :client_id RETURNING url")
+# The client's pending retries, and its events still waiting behind the
+# dispatcher's cursor for a first attempt (app/outbox/delivery.py), which
+# have no row yet: both end cancelled, so that what was not sent says why.
 _CANCEL_PENDING = text(
     """
-    UPDATE webhook_delivery
-       SET state = 'cancelled', lease_token = NULL, lease_expires_at = NULL,
-           last_error = 'the webhook endpoint was removed', updated_at = now()
-     WHERE client_id = :client_id AND state = 'pending'
+    WITH retries AS (
+        UPDATE webhook_delivery
+           SET state = 'cancelled', lease_token = NULL, lease_expires_at = NULL,
+               last_error = 'the webhook endpoint was removed', updated_at = now()
+         WHERE client_id = :client_id AND state = 'pending'
+        RETURNING 1
+    ), first AS (
+        INSERT INTO webhook_delivery (event_id, client_id, state, last_error)
+        SELECT e.id, e.client_id, 'cancelled', 'the webhook endpoint was removed'
+          FROM event e
+         WHERE e.client_id = :client_id AND e.written_by IS NOT NULL
+           AND (e.written_by, e.id) > (SELECT written_by, event_id FROM webhook_cursor)
+        ON CONFLICT (event_id) DO NOTHING
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM retries) + (SELECT count(*) FROM first)
     """
 )
 _GET = text("SELECT url, secret_sealed FROM webhook_endpoint WHERE client_id = :client_id")
@@ -107,10 +122,10 @@ async def set_endpoint(conn: AsyncConnection, client_id: int, url: str, key: Sec
 
 
 async def remove_endpoint(conn: AsyncConnection, client_id: int) -> int | None:
-    """Remove the endpoint and cancel its pending deliveries (how many); None if there was none."""
+    """Remove the endpoint and cancel its undelivered webhooks (how many); None if there was none."""
     if (await conn.execute(_REMOVE, dict(client_id=client_id))).one_or_none() is None:
         return None
-    return (await conn.execute(_CANCEL_PENDING, dict(client_id=client_id))).rowcount
+    return (await conn.execute(_CANCEL_PENDING, dict(client_id=client_id))).scalar_one()
 
 
 async def get_endpoint(conn: AsyncConnection, client_id: int, key: SecretsKey) -> tuple[str, str | None] | None:

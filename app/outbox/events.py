@@ -48,35 +48,27 @@ def type_for(status: str) -> str:
     return _OF_STATUS[status]
 
 
-# The canonical text of the two CTEs a phase's statement ends with: the event,
-# and its delivery if the client has a webhook endpoint. `fence` is the
-# phase's first CTE: no fence row (a stale owner), no event. The payload is
-# the stored response the same statement writes (:response_body).
+# The canonical text of the CTE a phase's statement ends with: the event.
+# `fence` is the phase's first CTE: no fence row (a stale owner), no event.
+# The payload is the stored response the same statement writes
+# (:response_body). The event's `written_by` (its transaction, by the
+# column's default) is what the webhook dispatcher's cursor reads it by:
+# nothing more is written for a webhook until its first attempt
+# (app/outbox/delivery.py).
 EMIT_SQL = """
     emitted AS (
         INSERT INTO event (client_id, payment_id, type, data)
         SELECT :client_id, fence.payment_id, CAST(:event_type AS text), CAST(:response_body AS json)
           FROM fence
-        RETURNING id, client_id
-    ), queued AS (
-        INSERT INTO webhook_delivery (event_id, client_id)
-        SELECT emitted.id, emitted.client_id
-          FROM emitted JOIN webhook_endpoint ON webhook_endpoint.client_id = emitted.client_id
+        RETURNING id
     )
 """
 
 _EMIT = text(
     """
-    WITH emitted AS (
-        INSERT INTO event (client_id, payment_id, type, data)
-        VALUES (:client_id, :payment_id, :event_type, CAST(:data AS json))
-        RETURNING id, client_id
-    ), queued AS (
-        INSERT INTO webhook_delivery (event_id, client_id)
-        SELECT emitted.id, emitted.client_id
-          FROM emitted JOIN webhook_endpoint ON webhook_endpoint.client_id = emitted.client_id
-    )
-    SELECT id FROM emitted
+    INSERT INTO event (client_id, payment_id, type, data)
+    VALUES (:client_id, :payment_id, :event_type, CAST(:data AS json))
+    RETURNING id
     """
 )
 
@@ -120,7 +112,7 @@ class Event:
 async def emit(
     conn: AsyncConnection, *, client_id: int, payment_id: uuid.UUID | None, event_type: str, data: str
 ) -> uuid.UUID:
-    """Write one event (and its delivery) in the caller's transaction; its id."""
+    """Write one event in the caller's transaction; its id."""
     assert event_type in TYPES, event_type
     return (
         await conn.execute(

@@ -407,11 +407,19 @@ _DELIVERIES = {
 }
 DELIVERY_STATES = tuple(_DELIVERIES)
 # What needs a person (dead) or the dispatcher (pending): counted whole.
+# A webhook before its first attempt has no delivery row yet: it is an
+# event after the dispatcher's cursor (app/outbox/delivery.py), of a client
+# with an endpoint, counted apart as `first`.
 _UNDELIVERED = text(
     """
     SELECT count(*) FILTER (WHERE state = 'dead') AS dead, count(*) FILTER (WHERE state = 'pending') AS pending,
            count(*) FILTER (WHERE state = 'pending' AND next_attempt_at <= now()
-                              AND coalesce(lease_expires_at < now(), true)) AS due
+                              AND coalesce(lease_expires_at < now(), true)) AS due,
+           (SELECT count(*)
+              FROM event e JOIN webhook_endpoint w ON w.client_id = e.client_id
+             WHERE e.written_by IS NOT NULL
+               AND (e.written_by, e.id) > (SELECT written_by, event_id FROM webhook_cursor)
+               AND NOT EXISTS (SELECT FROM webhook_delivery d WHERE d.event_id = e.id)) AS first
       FROM webhook_delivery
      WHERE state IN ('dead', 'pending')
     """
@@ -424,14 +432,21 @@ async def deliveries(conn: AsyncConnection, state: str, *, limit: int = 100) -> 
 
 
 async def undelivered(conn: AsyncConnection) -> dict[str, int]:
-    """How many deliveries are dead (for a person), pending, and due for the dispatcher now."""
+    """How many deliveries are dead (for a person), pending, due for the dispatcher now, and waiting for a first attempt."""
     return dict((await conn.execute(_UNDELIVERED)).mappings().one())
 
 # One payment's events, each with its delivery (if its client had an
-# endpoint) and every attempt made to deliver it, oldest first.
+# endpoint) and every attempt made to deliver it, oldest first. An event
+# still after the dispatcher's cursor, of a client with an endpoint, has no
+# delivery row yet: it is pending its first attempt.
 _PAYMENT_EVENTS = text(
     """
-    SELECT e.id, e.type, e.created_at, d.state, d.attempts, d.last_status, d.last_error, d.delivered_at,
+    SELECT e.id, e.type, e.created_at,
+           coalesce(d.state, CASE WHEN e.written_by IS NOT NULL
+                                   AND (e.written_by, e.id) > (SELECT written_by, event_id FROM webhook_cursor)
+                                   AND EXISTS (SELECT FROM webhook_endpoint w WHERE w.client_id = e.client_id)
+                                  THEN 'pending' END) AS state,
+           coalesce(d.attempts, 0) AS attempts, d.last_status, d.last_error, d.delivered_at,
            coalesce((SELECT jsonb_agg(jsonb_build_object(
                         'attempt', a.attempt, 'started_at', a.started_at, 'outcome', a.outcome,
                         'status_code', a.status_code, 'latency_ms', a.latency_ms, 'error_class', a.error_class)

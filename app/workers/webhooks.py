@@ -1,22 +1,28 @@
-"""The webhook dispatcher, inside `payments worker`: claim due deliveries, POST each, record it.
+"""The webhook dispatcher, inside `payments worker`: read or claim, POST each, record.
 
-Where it sits: after the commit. A phase wrote the event and its delivery
-with the decision (app/outbox/events.py); this loop (`dispatch_loop`) is the
-only thing that sends them, by the three steps of app/outbox/delivery.py:
-claim (committed), POST (no transaction held), record (fenced by the lease;
-`Recorder` puts every attempt that finished meanwhile into one statement).
-Up to `webhook_concurrency` deliveries are in flight, each in a task of its
-own. Several workers may run this loop: the claim's FOR UPDATE SKIP LOCKED
-and the lease keep each delivery with one of them at a time.
-docs/outbox-inbox.md#4-delivery-claim-post-record explains the batching, the
-backoff, and what a crash leaves.
+Where it sits: after the commit. A phase wrote the event with the decision
+(app/outbox/events.py); this dispatcher (`dispatch_loop`) is the only thing
+that sends it, in two loops over the steps of app/outbox/delivery.py.
+`first_attempts` leases the cursor and reads the events after it, POSTs
+them (no transaction held), and moves the cursor past them, writing each
+one's delivery row as its attempt left it. `retries` claims the delivery
+rows that are due (a failed first attempt's, one whose dispatcher died),
+POSTs, and records (fenced by each row's lease; `Recorder` puts every
+attempt that finished meanwhile into one statement). Up to
+`webhook_concurrency` POSTs are in flight, each in a task of its own.
+Several workers may run both loops: the cursor's lease keeps each batch
+with one of them, the claim's FOR UPDATE SKIP LOCKED and the lease each
+retry. docs/outbox-inbox.md#4-delivery-claim-post-record explains the
+cursor, the batching, the backoff, and what a crash leaves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -91,11 +97,12 @@ class Recorder:
 NOT_OPENED = delivery.Answer(None, 0.0, "sealed_secret",
                              "the signing secret cannot be opened with WEBHOOK_SECRETS_KEY")
 NOT_HTTPS = delivery.Answer(None, 0.0, "refused_scheme", egress.NOT_HTTPS)
+NO_ENDPOINT = delivery.Answer(None, 0.0, "no_endpoint", "the client has no webhook endpoint")
 
 
-async def deliver(services: Services, http: aiohttp.ClientSession, recorder: Recorder, claimed: Claimed,
-                  policy: egress.EgressPolicy) -> str:
-    """POST one claimed delivery and record what came of it; the outcome."""
+async def attempt(services: Services, http: aiohttp.ClientSession, claimed: Claimed,
+                  policy: egress.EgressPolicy) -> delivery.Attempted:
+    """POST one delivery (a first attempt or a claimed retry); what came of it and what follows. Records nothing."""
     settings = services.settings
     if claimed.url is None:
         answer = None  # the endpoint was removed after the event was written
@@ -110,18 +117,35 @@ async def deliver(services: Services, http: aiohttp.ClientSession, recorder: Rec
         answer, claimed.due_attempt, max_attempts=settings.webhook_max_attempts,
         base=settings.webhook_backoff_base_seconds, cap=settings.webhook_backoff_cap_seconds,
     )
-    no_answer = delivery.Answer(None, 0.0, "no_endpoint", "the client has no webhook endpoint")
-    await recorder.record(delivery.Attempted(claimed, answer or no_answer, decision))
-    if decision.outcome == delivery.DEAD:
+    return delivery.Attempted(claimed, answer or NO_ENDPOINT, decision)
+
+
+def _log_dead(attempted: delivery.Attempted) -> None:
+    if attempted.decision.outcome == delivery.DEAD:
+        claimed = attempted.claimed
         log.warning("webhook %s to client %s is dead after %s attempts (%s); `payments events redeliver %s`",
-                    claimed.event_id, claimed.client_id, claimed.attempt, answer and answer.error, claimed.event_id)
-    return decision.outcome
+                    claimed.event_id, claimed.client_id, claimed.attempt, attempted.answer.error, claimed.event_id)
+
+
+async def deliver(services: Services, http: aiohttp.ClientSession, recorder: Recorder, claimed: Claimed,
+                  policy: egress.EgressPolicy) -> str:
+    """POST one claimed delivery and record what came of it; the outcome."""
+    attempted = await attempt(services, http, claimed, policy)
+    await recorder.record(attempted)
+    _log_dead(attempted)
+    return attempted.decision.outcome
 
 
 async def _deliver_logged(services: Services, http: aiohttp.ClientSession, recorder: Recorder, claimed: Claimed,
-                          policy: egress.EgressPolicy) -> None:
+                          policy: egress.EgressPolicy, started: asyncio.Task | None = None) -> None:
+    """Deliver a claimed retry; or, given the task of a first attempt `started` before its batch moved on, record it."""
     try:
-        await deliver(services, http, recorder, claimed, policy)
+        if started is None:
+            await deliver(services, http, recorder, claimed, policy)
+        else:
+            attempted = await started
+            await recorder.record(attempted)
+            _log_dead(attempted)
     except LeaseLost as exc:
         log.warning("%s", exc)
     except Exception as exc:
@@ -135,12 +159,141 @@ async def _deliver_logged(services: Services, http: aiohttp.ClientSession, recor
                       claimed.event_id, loggable(exc))
 
 
+# How long a batch read behind the cursor waits for its POSTs before it moves
+# the cursor on anyway. An attempt still in flight then gets a leased
+# delivery row and is recorded when it ends, as a retry is: one slow
+# endpoint holds the other clients' webhooks back this long, not for its
+# timeout.
+CURSOR_PATIENCE_SECONDS = 1.0
+
+
+@dataclass
+class Dispatcher:
+    """What the two loops share: the HTTP client, the recorder, and the tasks in flight (the slots)."""
+
+    services: Services
+    stop: asyncio.Event
+    http: aiohttp.ClientSession
+    recorder: Recorder
+    policy: egress.EgressPolicy
+    key: SecretsKey
+    running: set[asyncio.Task]
+
+    def start(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """Run `work` in a task that holds a slot until it ends."""
+        task = asyncio.create_task(work)
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+        return task
+
+    async def wait_for_slots(self) -> int:
+        """The slots free now, once at least half of them are (waiting at most a poll); 0 if none came free."""
+        settings = self.services.settings
+        free = settings.webhook_concurrency - len(self.running)
+        if self.running and free < max(1, settings.webhook_concurrency // 2):
+            # Most slots are busy: wait for half of them, so that one read
+            # or claim takes a batch instead of one delivery.
+            await asyncio.wait(self.running, timeout=settings.worker_poll_seconds,
+                               return_when=asyncio.FIRST_COMPLETED)
+            return 0
+        return free
+
+
+async def first_attempts(d: Dispatcher) -> None:
+    """Read the events behind the cursor, POST them, move the cursor: each webhook's first attempt."""
+    settings = d.services.settings
+    failures = 0  # reads or moves failed in a row
+    while not d.stop.is_set():
+        free = await d.wait_for_slots()
+        if not free:
+            continue
+        try:
+            batch = await one_statement(d.services.engine, delivery.take, limit=free,
+                                        lease_seconds=settings.webhook_lease_seconds, key=d.key)
+            if batch is None:  # nothing new, or another dispatcher holds the cursor
+                failures = 0
+                await pause(d.stop, settings.worker_poll_seconds)
+                continue
+            if batch.to_send:
+                reached(settings.payments_crash_at, "webhook-after-claim")
+            tasks = {d.start(attempt(d.services, d.http, c, d.policy)): c for c in batch.to_send}
+            if tasks:
+                await asyncio.wait(tasks, timeout=CURSOR_PATIENCE_SECONDS)
+            in_flight = {t: c for t, c in tasks.items() if not t.done()}
+            try:
+                finished = [t.result() for t in tasks if t.done()]
+                moved = await one_statement(d.services.engine, delivery.move, batch, finished,
+                                            list(in_flight.values()), lease_seconds=settings.webhook_lease_seconds)
+            except BaseException:
+                for t in in_flight:  # nothing of the batch is written: it is read and sent again
+                    t.cancel()
+                raise
+        except Exception as exc:
+            # Nothing of a batch is written unless its move committed: the
+            # cursor's lease runs out and the batch is read and sent again.
+            failures += 1
+            wait = outage_backoff(failures, settings.worker_poll_seconds)
+            if database_unavailable(exc):
+                log.warning("webhook cursor: read or move failed, the database is unavailable (%s); "
+                            "next try in %.1f s", describe(exc), wait)
+            else:
+                log.error("webhook cursor: read or move failed; next try in %.1f s\n%s", wait, loggable(exc))
+            await pause(d.stop, wait)
+            continue
+        failures = 0
+        if not moved:
+            log.warning("the webhook cursor was taken over after its lease ran out; its new holder sends "
+                        "this batch of %d webhooks again", len(batch.to_send))
+            for t in in_flight:
+                t.cancel()
+            continue
+        for attempted in finished:
+            _log_dead(attempted)
+        for t, claimed in in_flight.items():
+            d.start(_deliver_logged(d.services, d.http, d.recorder, claimed, d.policy, started=t))
+        if not batch.full:
+            # Nothing more to read: rest until the next poll, or stop.
+            await pause(d.stop, settings.worker_poll_seconds)
+
+
+async def retries(d: Dispatcher) -> None:
+    """Claim the delivery rows that are due (retries, and attempts whose dispatcher died), POST, record."""
+    settings = d.services.settings
+    failures = 0  # claims failed in a row
+    while not d.stop.is_set():
+        free = await d.wait_for_slots()
+        if not free:
+            continue
+        try:
+            claimed = await one_statement(
+                d.services.engine, delivery.claim, limit=free, lease_seconds=settings.webhook_lease_seconds,
+                key=d.key,
+            )
+        except Exception as exc:
+            failures += 1
+            wait = outage_backoff(failures, settings.worker_poll_seconds)
+            if database_unavailable(exc):
+                log.warning("webhook claim failed, the database is unavailable (%s); next try in %.1f s",
+                            describe(exc), wait)
+            else:
+                log.error("webhook claim failed; next try in %.1f s\n%s", wait, loggable(exc))
+            await pause(d.stop, wait)
+            continue
+        failures = 0
+        if claimed:
+            reached(settings.payments_crash_at, "webhook-after-claim")
+        for item in claimed:
+            d.start(_deliver_logged(d.services, d.http, d.recorder, item, d.policy))
+        if len(claimed) < free:
+            # Nothing more is due: rest until the next poll, or stop.
+            await pause(d.stop, settings.worker_poll_seconds)
+        # Otherwise there may be more due right now: go round again.
+
+
 async def dispatch_loop(services: Services, stop: asyncio.Event) -> None:
     """Deliver until `stop` is set; deliveries in flight are then cancelled (their leases run out)."""
     settings = services.settings
     running: set[asyncio.Task] = set()
-    failures = 0  # claims failed in a row
-    refill = max(1, settings.webhook_concurrency // 2)
     recorder = Recorder(services, in_flight=lambda: len(running))
     policy = egress.EgressPolicy.from_settings(settings)
     if settings.webhook_secrets_key is None:  # `payments worker` refuses to start without it
@@ -148,43 +301,13 @@ async def dispatch_loop(services: Services, stop: asyncio.Event) -> None:
     key = SecretsKey(settings.webhook_secrets_key.get_secret_value())
     recording = asyncio.create_task(recorder.run())
     async with delivery.session(max_connections=settings.webhook_concurrency * 2, policy=policy) as http:
+        dispatcher = Dispatcher(services, stop, http, recorder, policy, key, running)
         try:
-            while not stop.is_set():
-                free = settings.webhook_concurrency - len(running)
-                if running and free < refill:
-                    # Most slots are busy: wait for half of them, so that
-                    # one claim leases a batch instead of one delivery.
-                    await asyncio.wait(running, timeout=settings.worker_poll_seconds,
-                                       return_when=asyncio.FIRST_COMPLETED)
-                    continue
-                try:
-                    claimed = await one_statement(
-                        services.engine, delivery.claim, limit=free, lease_seconds=settings.webhook_lease_seconds,
-                        key=key,
-                    )
-                except Exception as exc:
-                    failures += 1
-                    wait = outage_backoff(failures, settings.worker_poll_seconds)
-                    if database_unavailable(exc):
-                        log.warning("webhook claim failed, the database is unavailable (%s); next try in %.1f s",
-                                    describe(exc), wait)
-                    else:
-                        log.error("webhook claim failed; next try in %.1f s\n%s", wait, loggable(exc))
-                    await pause(stop, wait)
-                    continue
-                failures = 0
-                if claimed:
-                    reached(settings.payments_crash_at, "webhook-after-claim")
-                for item in claimed:
-                    task = asyncio.create_task(_deliver_logged(services, http, recorder, item, policy))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                if len(claimed) < free:
-                    # Nothing more is due: rest until the next poll, or stop.
-                    await pause(stop, settings.worker_poll_seconds)
-                # Otherwise there may be more due right now: go round again.
+            async with asyncio.TaskGroup() as loops:
+                loops.create_task(first_attempts(dispatcher))
+                loops.create_task(retries(dispatcher))
         finally:
-            for task in running:
+            for task in list(running):
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
             recording.cancel()

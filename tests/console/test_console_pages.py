@@ -208,26 +208,32 @@ async def test_the_webhooks_page_and_the_operation_page_show_each_delivery_and_i
     assert paid.status_code == 201
     payment_id = uuid.UUID(paid.json()["id"])
     event_id = await db.fetchval("SELECT id FROM event WHERE payment_id = $1", payment_id)
-    # No worker runs beside this API: the event's delivery waits, pending.
+    # No worker runs beside this API: the event waits for its first attempt,
+    # after the dispatcher's cursor, with no delivery row yet.
     html = (await http.get(console_api.url + "/console/webhooks?state=pending", headers=OPERATOR)).text
-    assert str(event_id) in html and "payment.succeeded" in html and f"/console/payments/{payment_id}" in html
-    assert '<dd id="pending-count">1 ' in html and '<dd id="dead-count">0</dd>' in html
+    assert '<dd id="first-count">1</dd>' in html and '<dd id="pending-count">0 ' in html
+    assert '<dd id="dead-count">0</dd>' in html
     page = (await http.get(console_api.url + f"/console/payments/{payment_id}", headers=OPERATOR)).text
     assert "Events and webhooks" in page and str(event_id) in page and ">pending</span>" in page
 
-    # What the dispatcher records when it gives up (app/outbox/delivery.py): the attempt, then the delivery dead.
+    # What the dispatcher writes when a first attempt is refused and the
+    # schedule allows no other (app/outbox/delivery.py, `move`): the delivery
+    # row, dead, and its attempt; and the cursor past the event.
+    await db.execute(
+        "INSERT INTO webhook_delivery (event_id, client_id, state, attempts, last_status, last_error) "
+        "VALUES ($1, $2, 'dead', 1, 500, 'HTTP 500')", event_id, shop.id,
+    )
     await db.execute(
         "INSERT INTO webhook_attempt (event_id, attempt, url, finished_at, outcome, status_code, latency_ms, "
         "error_class, error) VALUES ($1, 1, $2, now(), 'dead', 500, 12.3, 'http_status', 'HTTP 500')",
         event_id, shop.webhook_url,
     )
-    await db.execute(
-        "UPDATE webhook_delivery SET state = 'dead', attempts = 1, last_status = 500, last_error = 'HTTP 500' "
-        "WHERE event_id = $1", event_id,
-    )
+    await db.execute("UPDATE webhook_cursor SET (written_by, event_id) = (SELECT written_by, id FROM event "
+                     "WHERE id = $1)", event_id)
 
     html = (await http.get(console_api.url + "/console/webhooks", headers=OPERATOR)).text  # dead is the default
     assert '<dd id="dead-count">1</dd>' in html and str(event_id) in html and "HTTP 500" in html
+    assert '<dd id="first-count">0</dd>' in html
     pending = (await http.get(console_api.url + "/console/webhooks?state=pending", headers=OPERATOR)).text
     assert str(event_id) not in pending and "No pending deliveries." in pending
     page = (await http.get(console_api.url + f"/console/payments/{payment_id}", headers=OPERATOR)).text

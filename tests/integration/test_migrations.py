@@ -626,3 +626,58 @@ async def test_0015_keeps_every_key_row_and_its_claims_look_up_to_tomorrow_only(
         assert await conn.fetchval(claim, client, "k-new") is not None
     finally:
         await conn.close()
+
+
+def _downgrade(url: str, revision: str) -> None:
+    config = Config(str(ROOT / "alembic.ini"))
+    config.attributes["database_url"] = url
+    command.downgrade(config, revision)
+
+
+async def test_0016_keeps_every_event_and_delivery_and_reads_only_new_events_behind_the_cursor(scratch):
+    await migrate(scratch, revision_before("0016"))
+    conn = await asyncpg.connect(scratch)
+    try:
+        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
+        await conn.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) "
+                           "VALUES ($1, 'https://example.com/hook', 'sealed')", client)
+        payment_id = uuid.uuid4()
+        await insert_payment(conn, payment_id, client, "r-1", "succeeded")
+        # As the previous revision's phase wrote them: the event and its pending delivery.
+        old = await conn.fetchval("INSERT INTO event (client_id, payment_id, type, data) "
+                                  "VALUES ($1, $2, 'payment.succeeded', '{}') RETURNING id", client, payment_id)
+        await conn.execute("INSERT INTO webhook_delivery (event_id, client_id) VALUES ($1, $2)", old, client)
+        before = [dict(r) for r in await conn.fetch("SELECT * FROM event ORDER BY id")]
+        deliveries = [dict(r) for r in await conn.fetch("SELECT * FROM webhook_delivery")]
+    finally:
+        await conn.close()
+
+    await migrate(scratch, "0016")
+
+    conn = await asyncpg.connect(scratch)
+    try:
+        after = [dict(r) for r in await conn.fetch("SELECT * FROM event ORDER BY id")]
+        assert [{k: v for k, v in r.items() if k != "written_by"} for r in after] == before
+        assert [r["written_by"] for r in after] == [None], "an old event is not the cursor's: its row delivers it"
+        assert [dict(r) for r in await conn.fetch("SELECT * FROM webhook_delivery")] == deliveries
+        cursor = await conn.fetchrow("SELECT written_by::text, event_id, lease_token FROM webhook_cursor")
+        assert tuple(cursor) == ("0", uuid.UUID(int=0), None)
+        valid = await conn.fetchval("SELECT indisvalid FROM pg_index WHERE indexrelid = 'event_written_by'::regclass")
+        assert valid
+        # A new event carries the transaction that wrote it.
+        new = await conn.fetchval("INSERT INTO event (client_id, payment_id, type, data) "
+                                  "VALUES ($1, $2, 'payment.refunded', '{}') RETURNING id", client, payment_id)
+        assert await conn.fetchval("SELECT written_by IS NOT NULL FROM event WHERE id = $1", new)
+    finally:
+        await conn.close()
+
+    # Back to the previous revision, whose dispatcher reads delivery rows only:
+    # the new event, still ahead of the cursor, gets its row; the old keeps its own.
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(_downgrade, scratch, revision_before("0016")).result()
+    conn = await asyncpg.connect(scratch)
+    try:
+        rows = {r["event_id"]: r["state"] for r in await conn.fetch("SELECT event_id, state FROM webhook_delivery")}
+        assert rows == {old: "pending", new: "pending"}
+    finally:
+        await conn.close()

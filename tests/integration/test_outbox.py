@@ -3,7 +3,8 @@
 Evidence is durable: the event rows beside the payment and key rows they
 describe, and what `GET /v1/events` lists. (Crashes around the phases that
 write events are in tests/crash/; the webhooks that carry them are in
-tests/crash/test_webhook_delivery.py.)
+tests/crash/test_webhook_delivery.py, and which events the dispatcher reads
+for them in tests/integration/test_webhook_cursor.py.)
 """
 
 from __future__ import annotations
@@ -69,17 +70,6 @@ async def test_a_parked_payment_writes_an_indeterminate_event_with_what_the_clie
     [event] = await events_of(db, answer["id"])
     assert event["type"] == events.INDETERMINATE
     assert json.loads(event["data"]) == answer, "the payment as the client was told it"
-
-
-async def test_a_client_without_a_webhook_gets_events_but_no_deliveries(http, stack, db, acme, shop):
-    _, mine = await pay(http, stack, acme, payment_body())
-    _, theirs = await pay(http, stack, shop, payment_body())
-
-    [acme_event] = await events_of(db, mine["id"])
-    [shop_event] = await events_of(db, theirs["id"])
-    deliveries = await db.fetch("SELECT event_id, client_id, state FROM webhook_delivery")
-    assert [(d["event_id"], d["client_id"], d["state"]) for d in deliveries] == [(shop_event["id"], shop.id, "pending")]
-    assert acme_event["id"] not in [d["event_id"] for d in deliveries]
 
 
 async def feed(http, stack, client, **params) -> dict:

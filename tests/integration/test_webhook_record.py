@@ -30,7 +30,7 @@ from app.outbox.sealing import SecretsKey
 from app.workers import webhooks
 from app.workers.webhooks import Recorder
 from tests.conftest import SECRETS_KEY, seal
-from tests.support import headers, payment_body
+from tests.support import headers, payment_body, until
 
 
 @pytest.fixture
@@ -40,18 +40,35 @@ async def engine(database_url):
     await engine.dispose()
 
 
+async def behind_every_running_transaction(db) -> None:
+    """Until every event is older than every transaction still running: what the cursor reads."""
+    async def older() -> bool:
+        return await db.fetchval("SELECT max(written_by) < pg_snapshot_xmin(pg_current_snapshot()) FROM event")
+
+    await until(older, "the events' transactions to be older than every running one")
+
+
 @pytest.fixture
 async def claimed(http, stack, db, clean, acme, engine) -> list[delivery.Claimed]:
-    """Three of acme's deliveries, claimed by "us" (acme's endpoint is never called: no dispatcher runs)."""
+    """Three of acme's deliveries, leased to "us" (acme's endpoint is never called: no dispatcher runs).
+
+    As a batch behind the cursor leaves them when it moves on while their
+    first attempts are still in flight: a pending row each, leased, with its
+    attempt row open. That is also where a retry's claim leaves its rows.
+    """
     await db.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) VALUES ($1, $2, $3)",
                      acme.id, "http://127.0.0.1:9/never-called", seal("whsec_" + "A" * 32))
     for _ in range(3):
         response = await http.post(f"{stack.api}/v1/payments", json=payment_body(),
                                    headers=headers(acme, str(uuid.uuid4())))
         assert response.status_code == 201, response.text
-    got = await one_statement(engine, delivery.claim, limit=10, lease_seconds=30, key=SecretsKey(SECRETS_KEY))
-    assert len(got) == 3
-    return sorted(got, key=lambda c: c.event_id)
+    await behind_every_running_transaction(db)
+    batch = await one_statement(engine, delivery.take, limit=10, lease_seconds=30, key=SecretsKey(SECRETS_KEY))
+    assert batch is not None and len(batch.to_send) == 3
+    assert await one_statement(engine, delivery.move, batch, [], batch.to_send, lease_seconds=30)
+    rows = await db.fetch("SELECT state, lease_token, attempts FROM webhook_delivery")
+    assert [tuple(r) for r in rows] == [("pending", batch.token, 1)] * 3
+    return sorted(batch.to_send, key=lambda c: c.event_id)
 
 
 async def taken_over(db, claimed: delivery.Claimed) -> uuid.UUID:

@@ -1,0 +1,242 @@
+"""A webhook's first attempt is read behind a cursor: it skips nothing, and writes its rows only when it moves.
+
+The dispatcher reads the events after `webhook_cursor` in the order of the
+transactions that wrote them, POSTs them, and moves the cursor past them in
+one statement that also writes each attempt's delivery row
+(app/outbox/delivery.py: `take`, `move`). What must hold: a payment writes
+its event and nothing more for its webhook; the cursor never moves past an
+event whose transaction had not ended when it read (or that event is never
+sent); a batch moved by a dispatcher whose lease was taken over writes
+nothing; each row is written as its attempt left it.
+
+No dispatcher runs here: the tests read and move with the functions the
+dispatcher calls, against the session's real database, and read the rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import asyncpg
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from app.config import asyncpg_url
+from app.db.transaction import one_statement
+from app.outbox import delivery
+from app.outbox.delivery import Answer, Attempted, Decision
+from app.outbox.sealing import SecretsKey
+from tests.conftest import SECRETS_KEY, seal
+from tests.integration.test_webhook_record import behind_every_running_transaction
+from tests.support import headers, payment_body, until
+
+
+KEY = SecretsKey(SECRETS_KEY)
+
+
+@pytest.fixture
+async def engine(database_url):
+    engine = create_async_engine(asyncpg_url(database_url))
+    yield engine
+    await engine.dispose()
+
+
+@pytest.fixture
+async def endpoint(db, acme) -> None:
+    """acme gets an endpoint that is never called (no dispatcher runs)."""
+    await db.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) VALUES ($1, $2, $3)",
+                     acme.id, "http://127.0.0.1:9/never-called", seal("whsec_" + "A" * 32))
+
+
+async def take(engine, limit: int = 50) -> delivery.Batch | None:
+    return await one_statement(engine, delivery.take, limit=limit, lease_seconds=30, key=KEY)
+
+
+async def move(engine, batch, finished=(), in_flight=()) -> bool:
+    return await one_statement(engine, delivery.move, batch, list(finished), list(in_flight), lease_seconds=30)
+
+
+async def batch_event(conn: asyncpg.Connection, client_id: int) -> uuid.UUID:
+    """An event written as a batch's completion is (it names no payment): the smallest event there is."""
+    return await conn.fetchval(
+        "INSERT INTO event (client_id, type, data) VALUES ($1, 'batch.completed', '{}') RETURNING id", client_id)
+
+
+async def test_a_payment_writes_its_event_only_and_the_cursor_sends_those_of_clients_with_an_endpoint(
+    http, stack, db, engine, endpoint, acme, globex
+):
+    ids = {}
+    for client in (acme, globex):
+        response = await http.post(f"{stack.api}/v1/payments", json=payment_body(),
+                                   headers=headers(client, str(uuid.uuid4())))
+        assert response.status_code == 201, response.text
+        ids[client.id] = await db.fetchval("SELECT id FROM event WHERE payment_id = $1",
+                                           uuid.UUID(response.json()["id"]))
+    assert await db.fetchval("SELECT count(*) FROM webhook_delivery") == 0, "nothing but the event on the payment path"
+    assert await db.fetchval("SELECT count(*) FROM event WHERE written_by IS NULL") == 0
+
+    await behind_every_running_transaction(db)
+    batch = await take(engine)
+
+    assert batch is not None and not batch.full
+    assert [c.event_id for c in batch.to_send] == [ids[acme.id]], "globex has no endpoint: it reads the feed"
+    assert batch.to_send[0].secret == "whsec_" + "A" * 32 and batch.to_send[0].attempt == 1
+    assert await take(engine) is None, "the cursor is leased: nobody else reads this batch"
+    assert await move(engine, batch)
+    assert await take(engine) is None, "the cursor is past both events"
+    cursor = await db.fetchrow("SELECT event_id, lease_token FROM webhook_cursor")
+    assert tuple(cursor) == (ids[globex.id], None), "moved to the last event read, written by the later transaction"
+    assert await db.fetchval("SELECT count(*) FROM webhook_delivery") == 0, "a batch with no attempt writes no row"
+
+
+async def test_the_cursor_never_moves_past_an_event_whose_transaction_is_still_open(
+    db, database_url, engine, endpoint, acme
+):
+    """An event inserted first and committed last is still sent: the cursor waits for its transaction."""
+    slow = await asyncpg.connect(database_url)
+    try:
+        transaction = slow.transaction()
+        await transaction.start()
+        first = await batch_event(slow, acme.id)  # its transaction began first, and stays open
+        second = await batch_event(db, acme.id)  # committed at once, by a later transaction
+
+        # The second event is committed and visible, but its transaction is
+        # younger than one still running: the cursor does not read it yet.
+        early = await take(engine)
+        if early is not None:  # only what is older than the open transaction (nothing of ours)
+            assert second not in [c.event_id for c in early.to_send]
+            assert await move(engine, early)
+        await transaction.commit()
+    finally:
+        await slow.close()
+
+    await behind_every_running_transaction(db)
+    sent = []
+    while (batch := await take(engine)) is not None:
+        sent += [c.event_id for c in batch.to_send]
+        assert await move(engine, batch)
+    assert sent == [first, second], "both, in the order of their transactions"
+
+
+async def test_a_batch_moved_after_its_lease_was_taken_over_writes_nothing(db, engine, endpoint, acme):
+    event_id = await batch_event(db, acme.id)
+    await behind_every_running_transaction(db)
+    ours = await take(engine)
+    assert ours is not None
+    # Our lease ran out; another dispatcher took the cursor and holds it now.
+    theirs = await db.fetchval("UPDATE webhook_cursor SET lease_token = gen_random_uuid(), "
+                               "lease_expires_at = now() + interval '30 seconds' RETURNING lease_token")
+
+    claimed = ours.to_send[0]
+    delivered = Attempted(claimed, Answer(200, 5.0, None), Decision(delivery.DELIVERED))
+    assert not await move(engine, ours, finished=[delivered])
+
+    cursor = await db.fetchrow("SELECT written_by::text, event_id, lease_token FROM webhook_cursor")
+    assert tuple(cursor) == ("0", uuid.UUID(int=0), theirs), "not moved, and their lease stands"
+    assert await db.fetchval("SELECT count(*) FROM webhook_delivery WHERE event_id = $1", event_id) == 0
+    assert await db.fetchval("SELECT count(*) FROM webhook_attempt") == 0
+
+
+async def test_a_moved_batch_writes_each_attempts_rows_as_the_attempt_left_them(db, engine, endpoint, acme):
+    ids = [await batch_event(db, acme.id) for _ in range(4)]
+    await behind_every_running_transaction(db)
+    batch = await take(engine)
+    assert batch is not None and [c.event_id for c in batch.to_send] == ids
+    ok, refused, gone, slow = batch.to_send
+    finished = [
+        Attempted(ok, Answer(200, 5.0, None), Decision(delivery.DELIVERED)),
+        Attempted(refused, Answer(503, 7.0, "http_status", "HTTP 503"), Decision(delivery.RETRY, 60.0)),
+        Attempted(gone, Answer(410, 3.0, "http_status", "HTTP 410"), Decision(delivery.DEAD)),
+    ]
+
+    assert await move(engine, batch, finished=finished, in_flight=[slow])
+
+    rows = {r["event_id"]: r for r in await db.fetch(
+        "SELECT *, next_attempt_at - now() AS due_in FROM webhook_delivery")}
+    assert (rows[ok.event_id]["state"], rows[ok.event_id]["last_status"]) == ("delivered", 200)
+    assert rows[ok.event_id]["delivered_at"] is not None
+    assert (rows[refused.event_id]["state"], rows[refused.event_id]["last_error"]) == ("pending", "HTTP 503")
+    assert rows[refused.event_id]["lease_token"] is None
+    assert 55 < rows[refused.event_id]["due_in"].total_seconds() <= 60, "due again after its backoff"
+    assert rows[gone.event_id]["state"] == "dead"
+    assert (rows[slow.event_id]["state"], rows[slow.event_id]["lease_token"]) == ("pending", batch.token), \
+        "still in flight: leased to us, recorded as a retry's attempt is"
+    assert {r["attempts"] for r in rows.values()} == {1}
+    attempts = {r["event_id"]: r for r in await db.fetch("SELECT * FROM webhook_attempt")}
+    assert [(attempts[c.event_id]["attempt"], attempts[c.event_id]["outcome"]) for c in batch.to_send] == [
+        (1, "delivered"), (1, "retry"), (1, "dead"), (1, None)]
+    assert attempts[slow.event_id]["finished_at"] is None and attempts[ok.event_id]["finished_at"] is not None
+    cursor = await db.fetchrow("SELECT * FROM webhook_cursor")
+    assert (cursor["event_id"], cursor["lease_token"]) == (ids[-1], None)
+
+    # The one still in flight ends: recorded through its row's lease, as a retry's attempt.
+    recorded = await one_statement(engine, delivery.record, [
+        Attempted(slow, Answer(200, 1500.0, None), Decision(delivery.DELIVERED))])
+    assert recorded == {slow.event_id}
+    assert await db.fetchval("SELECT state FROM webhook_delivery WHERE event_id = $1", slow.event_id) == "delivered"
+    # The retry is claimed from its row when due, and not before.
+    assert await one_statement(engine, delivery.claim, limit=10, lease_seconds=30, key=KEY) == []
+
+
+async def test_a_batch_with_no_slot_left_stops_before_the_next_event_to_send(db, engine, endpoint, acme, globex):
+    """Events passed over (no endpoint) do not take slots; the cursor stops just before the first one not sent."""
+    written = [await batch_event(db, client.id) for client in (acme, globex, acme, globex, acme)]
+    await behind_every_running_transaction(db)
+
+    first = await take(engine, limit=2)
+    assert first is not None and first.full
+    assert [c.event_id for c in first.to_send] == [written[0], written[2]]
+    assert await move(engine, first)
+    assert await db.fetchval("SELECT event_id FROM webhook_cursor") == written[3], "past globex's, not acme's third"
+
+    second = await take(engine, limit=2)
+    assert second is not None and not second.full
+    assert [c.event_id for c in second.to_send] == [written[4]]
+
+
+async def test_a_read_that_waited_for_a_move_does_not_lease_the_batch_it_read_before_it(
+    db, database_url, engine, endpoint, acme
+):
+    """Two dispatchers at once: the one that read the cursor while the other moved it sends nothing twice."""
+    sent = await batch_event(db, acme.id)
+    await behind_every_running_transaction(db)
+    mover = await asyncpg.connect(database_url)
+    try:
+        moving = mover.transaction()
+        await moving.start()
+        # The other dispatcher's move, not committed yet: it holds the cursor's row.
+        await mover.execute("UPDATE webhook_cursor SET (written_by, event_id) = "
+                            "(SELECT written_by, id FROM event WHERE id = $1)", sent)
+        reading = asyncio.create_task(take(engine))
+
+        async def waiting() -> bool:
+            return bool(await db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND query LIKE '%webhook_cursor%'"))
+
+        await until(waiting, "the read to wait for the cursor's row")
+        await moving.commit()
+        assert await reading is None, "it read the event before the move, and must not send it again"
+    finally:
+        await mover.close()
+    assert await db.fetchval("SELECT lease_token FROM webhook_cursor") is None
+
+
+async def test_a_read_starts_at_the_cursor_and_reads_no_event_behind_it(db, engine, endpoint, acme):
+    """The cursor is where the index scan starts: a read costs its batch, not the table's history."""
+    written = [await batch_event(db, acme.id) for _ in range(120)]
+    await db.execute("UPDATE webhook_cursor SET (written_by, event_id) = "
+                     "(SELECT written_by, id FROM event WHERE id = $1)", written[109])
+    await behind_every_running_transaction(db)
+
+    async with engine.connect() as conn:  # one transaction: its own counters are the read's
+        batch = await delivery.take(conn, limit=50, lease_seconds=30, key=KEY)
+        # Entries the scans of the cursor's index returned, and rows a sequential scan of `event` read.
+        fetched = await conn.scalar(text("SELECT pg_stat_get_xact_tuples_returned('event_written_by'::regclass) "
+                                         "+ pg_stat_get_xact_tuples_returned('event'::regclass)"))
+        await conn.rollback()
+
+    assert batch is not None and [c.event_id for c in batch.to_send] == written[110:]
+    assert fetched == 10, "only the ten events after the cursor were read"
