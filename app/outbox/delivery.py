@@ -43,6 +43,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from standardwebhooks import Webhook
 
 from app.outbox import egress
+from app.outbox.events import AFTER_THE_CURSOR
 from app.outbox.sealing import SecretsKey
 
 USER_AGENT = "exactly-once-payments-webhooks/0.1"
@@ -318,12 +319,11 @@ _ATTEMPTS = text(
 )
 # Pending retries, and the events after the cursor waiting for a first attempt.
 _BACKLOG = text(
-    """
+    f"""
     SELECT (SELECT count(*) FROM webhook_delivery WHERE state = 'pending')
          + (SELECT count(*)
               FROM event e JOIN webhook_endpoint w ON w.client_id = e.client_id
-             WHERE e.written_by IS NOT NULL
-               AND (e.written_by, e.id) > (SELECT written_by, event_id FROM webhook_cursor)
+             WHERE {AFTER_THE_CURSOR}
                AND NOT EXISTS (SELECT FROM webhook_delivery d WHERE d.event_id = e.id))
     """
 )

@@ -27,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 # InvalidWebhookUrl: what checked_url raises, caught by its callers from here.
 from app.outbox.egress import EgressPolicy, InvalidWebhookUrl  # noqa: F401
+from app.outbox.events import AFTER_THE_CURSOR
 from app.outbox.sealing import SecretsKey
 
 SECRET_PREFIX = "whsec_"
@@ -69,7 +70,7 @@ _REMOVE = text("DELETE FROM webhook_endpoint WHERE client_id = :client_id RETURN
 # dispatcher's cursor for a first attempt (app/outbox/delivery.py), which
 # have no row yet: both end cancelled, so that what was not sent says why.
 _CANCEL_PENDING = text(
-    """
+    f"""
     WITH retries AS (
         UPDATE webhook_delivery
            SET state = 'cancelled', lease_token = NULL, lease_expires_at = NULL,
@@ -80,8 +81,7 @@ _CANCEL_PENDING = text(
         INSERT INTO webhook_delivery (event_id, client_id, state, last_error)
         SELECT e.id, e.client_id, 'cancelled', 'the webhook endpoint was removed'
           FROM event e
-         WHERE e.client_id = :client_id AND e.written_by IS NOT NULL
-           AND (e.written_by, e.id) > (SELECT written_by, event_id FROM webhook_cursor)
+         WHERE e.client_id = :client_id AND {AFTER_THE_CURSOR}
         ON CONFLICT (event_id) DO NOTHING
         RETURNING 1
     )

@@ -21,6 +21,8 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from app.outbox.events import AFTER_THE_CURSOR
+
 PAGE_SIZE = 50
 # The endpoint a client's payment is claimed under (app/payments/payment.py::PAYMENT,
 # not imported: the read model sits beside the payments package, not above it).
@@ -411,14 +413,13 @@ DELIVERY_STATES = tuple(_DELIVERIES)
 # event after the dispatcher's cursor (app/outbox/delivery.py), of a client
 # with an endpoint, counted apart as `first`.
 _UNDELIVERED = text(
-    """
+    f"""
     SELECT count(*) FILTER (WHERE state = 'dead') AS dead, count(*) FILTER (WHERE state = 'pending') AS pending,
            count(*) FILTER (WHERE state = 'pending' AND next_attempt_at <= now()
                               AND coalesce(lease_expires_at < now(), true)) AS due,
            (SELECT count(*)
               FROM event e JOIN webhook_endpoint w ON w.client_id = e.client_id
-             WHERE e.written_by IS NOT NULL
-               AND (e.written_by, e.id) > (SELECT written_by, event_id FROM webhook_cursor)
+             WHERE {AFTER_THE_CURSOR}
                AND NOT EXISTS (SELECT FROM webhook_delivery d WHERE d.event_id = e.id)) AS first
       FROM webhook_delivery
      WHERE state IN ('dead', 'pending')
@@ -440,10 +441,9 @@ async def undelivered(conn: AsyncConnection) -> dict[str, int]:
 # still after the dispatcher's cursor, of a client with an endpoint, has no
 # delivery row yet: it is pending its first attempt.
 _PAYMENT_EVENTS = text(
-    """
+    f"""
     SELECT e.id, e.type, e.created_at,
-           coalesce(d.state, CASE WHEN e.written_by IS NOT NULL
-                                   AND (e.written_by, e.id) > (SELECT written_by, event_id FROM webhook_cursor)
+           coalesce(d.state, CASE WHEN {AFTER_THE_CURSOR}
                                    AND EXISTS (SELECT FROM webhook_endpoint w WHERE w.client_id = e.client_id)
                                   THEN 'pending' END) AS state,
            coalesce(d.attempts, 0) AS attempts, d.last_status, d.last_error, d.delivered_at,
