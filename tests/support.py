@@ -80,6 +80,15 @@ async def until(condition, what: str, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def behind_every_running_transaction(db: asyncpg.Connection) -> None:
+    """Wait until every event is older than every transaction still running: what the webhook cursor reads."""
+
+    async def older() -> bool:
+        return await db.fetchval("SELECT max(written_by) < pg_snapshot_xmin(pg_current_snapshot()) FROM event")
+
+    await until(older, "the events' transactions to be older than every running one")
+
+
 async def claimed(db: asyncpg.Connection, client_id: int, key: str) -> None:
     """Wait until an attempt has claimed `key` (its Handler1 committed)."""
 

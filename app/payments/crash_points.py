@@ -29,7 +29,7 @@ POINTS: dict[str, str] = {
     "after-call-EXT5": "The PSP answered the client's refund (succeeded or failed); its outcome is not recorded yet.",
     f"after-commit-{FINISHED}": "The final response is stored; the client has not received it.",
     "reconcile-after-settlement": "A reconciliation run settled one payment; the rest of its window is not done.",
-    "webhook-after-claim": "The dispatcher claimed due deliveries (leased, attempt counted); nothing is POSTed yet.",
+    "webhook-after-claim": "The dispatcher leased the webhook cursor and read its batch, or claimed due retries; nothing is POSTed yet.",
     "webhook-after-delivery": "The merchant answered a webhook POST; the attempt is not recorded yet.",
 }
 

@@ -22,7 +22,7 @@ the inbox row, so a crash leaves either all of it or none of it:
                    duplicate and drop it; nothing else is written
     payment        succeeded -> returned, with the return's id and reason
     ledger_entry   payout_returned: the money is back, owed to the payer now
-    event          payment.returned (and its webhook delivery)
+    event          payment.returned (the webhook dispatcher reads it from there)
     idempotency_key  the compensation: an operation of its own, claimed by
                    this caller, at EXT4_SENT with the refund's derived key K4
 

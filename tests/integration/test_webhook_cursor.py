@@ -29,8 +29,7 @@ from app.outbox import delivery
 from app.outbox.delivery import Answer, Attempted, Decision
 from app.outbox.sealing import SecretsKey
 from tests.conftest import SECRETS_KEY, seal
-from tests.integration.test_webhook_record import behind_every_running_transaction
-from tests.support import headers, payment_body, until
+from tests.support import behind_every_running_transaction, headers, payment_body, until
 
 
 KEY = SecretsKey(SECRETS_KEY)

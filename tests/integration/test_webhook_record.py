@@ -30,7 +30,7 @@ from app.outbox.sealing import SecretsKey
 from app.workers import webhooks
 from app.workers.webhooks import Recorder
 from tests.conftest import SECRETS_KEY, seal
-from tests.support import headers, payment_body, until
+from tests.support import behind_every_running_transaction, headers, payment_body
 
 
 @pytest.fixture
@@ -38,14 +38,6 @@ async def engine(database_url):
     engine = create_async_engine(asyncpg_url(database_url))
     yield engine
     await engine.dispose()
-
-
-async def behind_every_running_transaction(db) -> None:
-    """Until every event is older than every transaction still running: what the cursor reads."""
-    async def older() -> bool:
-        return await db.fetchval("SELECT max(written_by) < pg_snapshot_xmin(pg_current_snapshot()) FROM event")
-
-    await until(older, "the events' transactions to be older than every running one")
 
 
 @pytest.fixture
