@@ -19,8 +19,9 @@ fenced by its lease token). A first attempt still in flight when its batch
 moves the cursor gets a leased row and is recorded that way too.
 
 `post` signs with `standardwebhooks` (both signatures during a rotation's
-overlap), holds no transaction and no pooled connection, and connects only
-where the egress policy (egress.py) permits. `decide` says what an answer
+overlap), holds no transaction and no pooled connection, and sends through
+the dispatcher's own HTTP/1.1 client (http1.py), which connects only where
+the egress policy (egress.py) permits. `decide` says what an answer
 leads to. docs/outbox-inbox.md#4-delivery-claim-post-record explains the
 cursor, the lease, the retry schedule, and what a crash leaves.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import ssl
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,18 +39,17 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-import aiohttp
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 from standardwebhooks import Webhook
 
-from app.outbox import egress
+from app.outbox import egress, http1
 from app.outbox.events import AFTER_THE_CURSOR
 from app.outbox.sealing import SecretsKey
 
 USER_AGENT = "exactly-once-payments-webhooks/0.1"
-# The longest answer body read to its end (`_finish_reading`); a longer one
-# is left unread and its connection closed.
+# The longest answer body read to its end (http1.py); a longer one is left
+# unread and its connection closed.
 MAX_BODY_READ = 64 * 1024
 
 # Outcomes of an attempt, and the delivery state each leaves.
@@ -494,88 +495,44 @@ def _signer(secret: str) -> Webhook:
     return Webhook(secret)
 
 
-def session(*, max_connections: int, policy: egress.EgressPolicy) -> aiohttp.ClientSession:
-    """The dispatcher's HTTP client: aiohttp's own, at most `max_connections` connections open,
-    connecting only to the addresses `policy` permits, trusting its CAs (egress.py).
+def session(*, max_connections: int, policy: egress.EgressPolicy) -> http1.Client:
+    """The dispatcher's HTTP client (http1.py), at most `max_connections` connections open, connecting only
+    to the addresses `policy` permits, trusting its CAs (egress.py). Use as `async with`: it closes them."""
+    return http1.Client(max_connections=max_connections, policy=policy, max_body_read=MAX_BODY_READ)
 
-    aiohttp directly, not httpx's interface over it as the rails use
-    (app/rails/transport.py): a webhook needs no more than a status and one
-    header, and httpx's layer on top would cost CPU on every POST for
-    nothing the dispatcher uses. Created in the running loop (aiohttp asks for it); the caller closes it.
+
+async def post(http: http1.Client, claimed: Claimed, timeout: float) -> Answer:
+    """POST the event to the endpoint; what came of it. Never raises for a failed exchange.
+
+    Only the status matters (and Retry-After). Redirects are not followed (a
+    moved endpoint is registered again). The timeout is total, connecting
+    included: it is what keeps a POST shorter than the lease, so that no
+    delivery is ever in flight twice.
     """
-    return aiohttp.ClientSession(
-        connector=egress.connector(
-            policy,
-            limit=max_connections,
-            # Shorter than the 5 s idle timeout of common servers (uvicorn's,
-            # nginx's is longer): a connection the merchant is closing is not
-            # picked for a POST, which aiohttp does not send again (not
-            # idempotent) and we would count failed.
-            keepalive_timeout=5.0,
-        ),
-        # No state from one attempt to the next: a receiver's Set-Cookie is
-        # not sent back with the following webhooks.
-        cookie_jar=aiohttp.DummyCookieJar(),
-        auto_decompress=False,  # a body is read only to free its connection, never looked at
-    )
-
-
-async def post(http: aiohttp.ClientSession, claimed: Claimed, timeout: float) -> Answer:
-    """POST the event to the endpoint; what came of it. Never raises for a failed exchange."""
     assert claimed.url is not None
-    body = claimed.body()
-    headers = signed_headers(claimed, body, datetime.now(UTC))
+    text = claimed.body()
+    headers = signed_headers(claimed, text, datetime.now(UTC))
     started = time.perf_counter()
     try:
-        # Only the status matters (and Retry-After). Redirects are not
-        # followed (a moved endpoint is registered again). The timeout is
-        # total, connecting included: it is what keeps a POST shorter than
-        # the lease, so that no delivery is ever in flight twice.
-        async with http.post(claimed.url, data=body.encode(), headers=headers, allow_redirects=False,
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as response:
-            status = response.status
-            retry_after = _retry_after(response.headers.get("retry-after"))
-            await _finish_reading(response)
-    except TimeoutError as exc:  # aiohttp's own timeouts are TimeoutErrors too
+        head = await http.post(claimed.url, text.encode(), headers, timeout)
+    except TimeoutError as exc:
         return Answer(None, _since(started), "timeout", _describe(exc, "no answer within the timeout"))
-    except aiohttp.ClientConnectorError as exc:
-        if isinstance(exc.os_error, egress.RefusedAddress):
-            # Nothing was sent: one phrase, whatever is (or is not) there.
-            return Answer(None, _since(started), "refused_address", egress.REFUSED)
-        if isinstance(exc, aiohttp.ClientConnectorCertificateError | aiohttp.ClientConnectorSSLError):
-            return Answer(None, _since(started), "tls", _describe(exc))
-        return Answer(None, _since(started), "connection", _describe(exc))
-    except (aiohttp.ClientError, ValueError) as exc:
-        # Refused, reset, closed without an answer, not HTTP, an invalid URL
-        # (aiohttp's InvalidURL, or a host name IDNA cannot encode, a
-        # UnicodeError): no answer to go by.
+    except egress.RefusedAddress:
+        # Nothing was sent: one phrase, whatever is (or is not) there.
+        return Answer(None, _since(started), "refused_address", egress.REFUSED)
+    except ssl.SSLError as exc:  # before OSError, which it is too
+        return Answer(None, _since(started), "tls", _describe(exc))
+    except (OSError, ValueError) as exc:
+        # Refused, reset, closed without an answer, not HTTP, a URL that
+        # cannot be posted to, a name that does not resolve (or that IDNA
+        # cannot encode): no answer to go by.
         return Answer(None, _since(started), "connection", _describe(exc))
     latency = _since(started)
+    status = head.status
     if 200 <= status < 300:
         return Answer(status, latency, None)
     error_class = "rate_limited" if status == 429 else "http_status"
-    return Answer(status, latency, error_class, f"HTTP {status}", retry_after)
-
-
-async def _finish_reading(response: aiohttp.ClientResponse) -> None:
-    """Read a short answer's body to its end, so that its connection can carry the next webhook.
-
-    aiohttp closes a connection whose answer was left unread, and a
-    merchant's framework often sends the body a moment after the headers
-    (uvicorn does): a POST whose answer was left unread would cost the next
-    one a new connection, a TCP handshake and a new protocol on both sides
-    (measured in docs/reference/performance.md#judged-side-by-side-met-runs-7-and-8).
-    A long or unsized body is not read (a
-    receiver must not make us read megabytes), and its connection is
-    closed. The status is the answer either way: a body that stalls or
-    breaks is not an error of the delivery.
-    """
-    if response.content_length is None or response.content_length > MAX_BODY_READ:
-        return
-    try:
-        await response.read()
-    except (TimeoutError, aiohttp.ClientError):
-        pass
+    return Answer(status, latency, error_class, f"HTTP {status}", _retry_after(head.retry_after))
 
 
 def decide(answer: Answer | None, due_attempt: int, *, max_attempts: int, base: float, cap: float) -> Decision:

@@ -2,11 +2,10 @@
 
 Where it sits: under registration (`checked_url`, called by
 app/outbox/endpoints.py for `payments clients set-webhook`) and under the
-dispatcher's HTTP client (`connector`, app/outbox/delivery.py::session),
-where it protects: every address is judged after resolution, at every
-connection, by aiohttp's resolver hook (`PermittedResolver`, for names) and
-the connector's socket factory (for every address, literals included), so a
-name that resolves inside at delivery time reaches nothing. Permitted: a
+dispatcher's HTTP client (app/outbox/http1.py), where it protects: every
+address a host resolves to (a literal resolves to itself) is judged by
+`permitted` before a socket is made for it, at every connection, so a name
+that resolves inside at delivery time reaches nothing. Permitted: a
 global unicast address (the standard library's `ipaddress`) whose embedded
 IPv4 address, if any, is one too; or one in WEBHOOK_ALLOWED_NETWORKS
 (development). A refused address is recorded as one phrase, `REFUSED`.
@@ -23,9 +22,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import aiohttp
-from aiohttp.abc import AbstractResolver, ResolveResult
-
 # What an attempt to a refused address records (the attempt's `error`).
 REFUSED = "refused by the egress policy: the endpoint's address is not public"
 NOT_HTTPS = "refused by the egress policy: the endpoint is not https"
@@ -39,7 +35,7 @@ class InvalidWebhookUrl(ValueError):
 
 
 class RefusedAddress(OSError):
-    """Raised under aiohttp for an address the policy refuses; aiohttp wraps it in a ClientConnectorError."""
+    """Raised by `permitted` when the policy refuses every address an endpoint's host has."""
 
     def __init__(self) -> None:
         super().__init__(REFUSED)
@@ -113,10 +109,8 @@ class EgressPolicy:
             )
         return url
 
-    def ssl_context(self) -> ssl.SSLContext | bool:
-        """The TLS trust of the dispatcher: WEBHOOK_CA_FILE's CAs, else the system's (True: aiohttp's default)."""
-        if self.ca_file is None:
-            return True
+    def ssl_context(self) -> ssl.SSLContext:
+        """The TLS trust of the dispatcher: WEBHOOK_CA_FILE's CAs, else the system's; certificates and names checked."""
         return ssl.create_default_context(cafile=self.ca_file)
 
 
@@ -133,35 +127,16 @@ def _addresses_now(host: str, port: int | None) -> list[str]:
     return [str(info[4][0]) for info in found]
 
 
-class PermittedResolver(AbstractResolver):
-    """aiohttp's default resolver, keeping only the addresses the policy permits (RefusedAddress if none)."""
+def permitted(policy: EgressPolicy, found: Iterable[tuple]) -> list[tuple]:
+    """The addresses of `found` (getaddrinfo's tuples) the policy permits, in their order; RefusedAddress if none.
 
-    def __init__(self, policy: EgressPolicy, resolver: AbstractResolver | None = None) -> None:
-        self.policy = policy
-        self.resolver = resolver or aiohttp.DefaultResolver()
-
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-                      ) -> list[ResolveResult]:
-        permitted = [r for r in await self.resolver.resolve(host, port, family) if self.policy.permits(r["host"])]
-        if not permitted:
-            raise RefusedAddress()
-        return permitted
-
-    async def close(self) -> None:
-        await self.resolver.close()
-
-
-def connector(policy: EgressPolicy, **options) -> aiohttp.TCPConnector:
-    """aiohttp's connector under the policy: the resolver filters names, the socket factory every address."""
-
-    def socket_factory(addr_info: tuple) -> socket.socket:
-        family, type_, proto, _, sockaddr = addr_info
-        if not policy.permits(str(sockaddr[0])):
-            raise RefusedAddress()
-        return socket.socket(family, type_, proto)
-
-    return aiohttp.TCPConnector(resolver=PermittedResolver(policy), socket_factory=socket_factory,
-                                ssl=policy.ssl_context(), **options)
+    An address refused and one that does not listen read the same to the
+    caller (one phrase, REFUSED): nothing tells which inside ports are open.
+    """
+    kept = [info for info in found if policy.permits(str(info[4][0]))]
+    if not kept:
+        raise RefusedAddress()
+    return kept
 
 
 def development(networks: Iterable[str] = ("127.0.0.0/8", "::1/128")) -> EgressPolicy:

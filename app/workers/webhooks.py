@@ -24,11 +24,9 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from app.db.errors import database_unavailable, describe, loggable
 from app.db.transaction import one_statement
-from app.outbox import delivery, egress
+from app.outbox import delivery, egress, http1
 from app.outbox.delivery import Claimed, LeaseLost
 from app.outbox.sealing import SecretsKey
 from app.machine.crash import reached
@@ -100,7 +98,7 @@ NOT_HTTPS = delivery.Answer(None, 0.0, "refused_scheme", egress.NOT_HTTPS)
 NO_ENDPOINT = delivery.Answer(None, 0.0, "no_endpoint", "the client has no webhook endpoint")
 
 
-async def attempt(services: Services, http: aiohttp.ClientSession, claimed: Claimed,
+async def attempt(services: Services, http: http1.Client, claimed: Claimed,
                   policy: egress.EgressPolicy) -> delivery.Attempted:
     """POST one delivery (a first attempt or a claimed retry); what came of it and what follows. Records nothing."""
     settings = services.settings
@@ -127,7 +125,7 @@ def _log_dead(attempted: delivery.Attempted) -> None:
                     claimed.event_id, claimed.client_id, claimed.attempt, attempted.answer.error, claimed.event_id)
 
 
-async def deliver(services: Services, http: aiohttp.ClientSession, recorder: Recorder, claimed: Claimed,
+async def deliver(services: Services, http: http1.Client, recorder: Recorder, claimed: Claimed,
                   policy: egress.EgressPolicy) -> str:
     """POST one claimed delivery and record what came of it; the outcome."""
     attempted = await attempt(services, http, claimed, policy)
@@ -136,7 +134,7 @@ async def deliver(services: Services, http: aiohttp.ClientSession, recorder: Rec
     return attempted.decision.outcome
 
 
-async def _deliver_logged(services: Services, http: aiohttp.ClientSession, recorder: Recorder, claimed: Claimed,
+async def _deliver_logged(services: Services, http: http1.Client, recorder: Recorder, claimed: Claimed,
                           policy: egress.EgressPolicy, started: asyncio.Task | None = None) -> None:
     """Deliver a claimed retry; or, given the task of a first attempt `started` before its batch moved on, record it."""
     try:
@@ -173,7 +171,7 @@ class Dispatcher:
 
     services: Services
     stop: asyncio.Event
-    http: aiohttp.ClientSession
+    http: http1.Client
     recorder: Recorder
     policy: egress.EgressPolicy
     key: SecretsKey

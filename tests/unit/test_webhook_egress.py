@@ -18,15 +18,13 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
-import aiohttp
 import pytest
 import trustme
-from aiohttp.abc import AbstractResolver
 
 from app.config import Settings
-from app.outbox import delivery, egress
+from app.outbox import delivery, egress, http1
 from app.outbox.delivery import Claimed
-from app.outbox.egress import EgressPolicy, InvalidWebhookUrl, PermittedResolver
+from app.outbox.egress import EgressPolicy, InvalidWebhookUrl, RefusedAddress
 from app.outbox.endpoints import checked_url, new_secret
 
 STRICT = EgressPolicy()  # the default: public https only
@@ -137,22 +135,17 @@ async def test_the_dispatcher_connects_to_no_refused_address_and_says_one_phrase
         answers = [await delivery.post(http, claimed(f"http://{host}:{port}/webhooks"), timeout=2)
                    for port in (open_port, closed_port)]
     assert listener.connections == 0, "nothing reached the loopback service"
-    # An open port and a closed one read the same: nothing tells which inside ports listen.
-    expected = (None, "refused_address", egress.REFUSED)
-    if host == "127.1":  # aiohttp itself refuses the legacy spellings it would not resolve
-        expected = (None, "connection", "InvalidUrlClientError: 127.1 - is not a canonical IPv4 address")
-    assert {(a.status_code, a.error_class, a.error) for a in answers} == {expected}
+    # An open port and a closed one read the same, in every spelling (the legacy ones, 127.1 and
+    # 0x7f000001, resolve to loopback): nothing tells which inside ports listen.
+    assert {(a.status_code, a.error_class, a.error) for a in answers} == {(None, "refused_address", egress.REFUSED)}
 
 
-class Rebinding(AbstractResolver):
-    """A name that resolved to a public address when it was registered, and resolves to loopback now."""
+def resolving_to(*addresses: str):
+    """A resolver (as http1.Client takes one) answering every name with `addresses`, as getaddrinfo would."""
+    async def resolve(host: str, port: int) -> list[tuple]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (a, port)) for a in addresses]
 
-    async def resolve(self, host, port=0, family=socket.AF_INET):
-        return [{"hostname": host, "host": "127.0.0.1", "port": port, "family": socket.AF_INET,
-                 "proto": 0, "flags": socket.AI_NUMERICHOST}]
-
-    async def close(self) -> None:
-        pass
+    return resolve
 
 
 async def test_a_name_that_resolves_inside_at_delivery_is_refused_though_it_was_registered(listening):
@@ -160,24 +153,18 @@ async def test_a_name_that_resolves_inside_at_delivery_is_refused_though_it_was_
     url = f"http://merchant.example:{open_port}/webhooks"
     policy = EgressPolicy(allow_http=True)
     assert checked_url(url, policy) == url  # it resolves to nothing at registration
-    connector = egress.connector(policy)
-    connector._resolver = PermittedResolver(policy, Rebinding())  # the rebinding DNS answer, at connect time
-    async with aiohttp.ClientSession(connector=connector) as http:
+    # The rebinding DNS answer, at connect time: loopback.
+    async with http1.Client(max_connections=4, policy=policy, max_body_read=1024,
+                            resolve=resolving_to("127.0.0.1")) as http:
         got = await delivery.post(http, claimed(url), timeout=2)
     assert (got.error_class, got.error, listener.connections) == ("refused_address", egress.REFUSED, 0)
 
 
 async def test_a_name_with_public_and_inside_addresses_keeps_only_the_public_ones():
-    class Mixed(AbstractResolver):
-        async def resolve(self, host, port=0, family=socket.AF_INET):
-            return [{"hostname": host, "host": h, "port": port, "family": socket.AF_INET, "proto": 0, "flags": 0}
-                    for h in ("10.1.2.3", "93.184.215.14", "169.254.169.254")]
-
-        async def close(self) -> None:
-            pass
-
-    resolved = await PermittedResolver(STRICT, Mixed()).resolve("merchant.example", 443)
-    assert [r["host"] for r in resolved] == ["93.184.215.14"]
+    found = await resolving_to("10.1.2.3", "93.184.215.14", "169.254.169.254")("merchant.example", 443)
+    assert [info[4][0] for info in egress.permitted(STRICT, found)] == ["93.184.215.14"]
+    with pytest.raises(RefusedAddress):
+        egress.permitted(STRICT, found[:1] + found[2:])
 
 
 # -- https, against a CA of the test's own ------------------------------------------

@@ -2,7 +2,7 @@
 
 Each test starts a tiny loopback server that answers the way a merchant, a
 proxy or a broken network might, and POSTs to it with the session the
-dispatcher uses (`delivery.session`, aiohttp). The `Answer` is what gets
+dispatcher uses (`delivery.session`, app/outbox/http1.py). The `Answer` is what gets
 recorded and what `decide` reads: a 2xx is delivered, any other status is an
 `http_status` (429: `rate_limited`) with its Retry-After, and an exchange
 without an HTTP answer is a `timeout` or a `connection` error, never an
@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 import pytest
 from standardwebhooks import Webhook
 
-from app.outbox import delivery, egress
+from app.outbox import delivery, egress, http1
 from app.outbox.delivery import Claimed
 from app.outbox.endpoints import new_secret
 
@@ -215,3 +215,86 @@ async def test_a_body_sent_after_the_head_is_read_so_the_connection_carries_the_
     assert (await delivery.post(session, claimed(url), timeout=2)).error_class is None
 
     assert (len(merchant.requests), merchant.connections) == (2, 1)
+
+
+# -- the client's connections (app/outbox/http1.py) -----------------------------------
+
+
+async def test_an_interim_answer_is_passed_over_for_the_real_one(endpoint, session):
+    merchant = Merchant(b"HTTP/1.1 100 Continue\r\n\r\n" + answer(201, body=b"{}"))
+    got = await delivery.post(session, claimed(await endpoint(merchant)), timeout=2)
+    assert (got.status_code, got.error_class) == (201, None)
+
+
+@pytest.mark.parametrize("raw", [
+    b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}",  # HTTP/1.0: not kept alive unless it says so
+    b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}",
+    # No length, and the body not over with the head: not waited for, and its connection not used again.
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n400\r\nthe first bytes of many",
+])
+async def test_an_answer_that_does_not_keep_its_connection_costs_the_next_webhook_a_new_one(endpoint, session, raw):
+    merchant = Merchant(raw)
+    url = await endpoint(merchant)
+
+    for _ in range(2):
+        assert (await delivery.post(session, claimed(url), timeout=2)).error_class is None
+
+    assert (len(merchant.requests), merchant.connections) == (2, 2)
+
+
+async def test_a_connection_idle_past_the_keep_alive_is_not_used_again(endpoint, session, monkeypatch):
+    merchant = Merchant(answer(200, body=b"{}"))
+    url = await endpoint(merchant)
+    assert (await delivery.post(session, claimed(url), timeout=2)).error_class is None
+
+    monkeypatch.setattr(http1, "KEEP_ALIVE_SECONDS", 0.0)  # every idle connection is now too old
+    assert (await delivery.post(session, claimed(url), timeout=2)).error_class is None
+
+    assert merchant.connections == 2
+
+
+class Held(Merchant):
+    """Answers 204 only when the test lets it: counts the requests it holds meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__(answer(204))
+        self.release = asyncio.Event()
+        self.holding = 0
+
+    async def read_request(self, reader: asyncio.StreamReader) -> None:
+        await super().read_request(reader)
+        self.holding += 1
+        await self.release.wait()
+
+
+async def test_no_more_connections_are_open_than_the_client_may_have(endpoint):
+    merchant = Held()
+    url = await endpoint(merchant)
+    async with delivery.session(max_connections=3, policy=egress.development()) as http:
+        posts = [asyncio.create_task(delivery.post(http, claimed(url), timeout=5)) for _ in range(7)]
+        while merchant.holding < 3:
+            await asyncio.sleep(0.01)  # polling the merchant's own count, bounded by the test's timeout
+        assert merchant.connections == 3 and not any(p.done() for p in posts)
+        merchant.release.set()
+        answers = await asyncio.gather(*posts)
+
+    assert {a.status_code for a in answers} == {204} and len(merchant.requests) == 7
+    assert merchant.connections == 3, "the waiting POSTs went out on the connections already open"
+
+
+async def test_a_header_value_with_a_line_break_is_not_sent(endpoint, session):
+    merchant = Merchant(answer(204))
+    url = await endpoint(merchant)
+    with pytest.raises(ValueError, match="line break"):
+        await session.post(url, b"{}", {"webhook-id": "x\r\nX-Injected: 1"}, timeout=2)
+    assert merchant.requests == []
+
+
+async def test_a_path_a_request_line_cannot_carry_is_sent_percent_encoded(endpoint, session):
+    merchant = Merchant(answer(204))
+    url = await endpoint(merchant)
+
+    got = await delivery.post(session, claimed(url + "/für uns?x=%41"), timeout=2)
+
+    assert got.error_class is None
+    assert merchant.requests[0][0].split(b"\r\n")[0] == b"POST /webhooks/f%C3%BCr%20uns?x=%41 HTTP/1.1"
