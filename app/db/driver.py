@@ -2,7 +2,10 @@
 
 Where it sits: under `Statement.fetch_one` (app/machine/statements.py), which
 every single-statement phase of an operation runs (the claim of a new
-payment, and each record phase through app/machine/engine.py::fenced).
+payment, and each record phase through app/machine/engine.py::fenced), and
+under the webhook dispatcher's read and move of its cursor
+(app/outbox/delivery.py: `take`, `move`), which run once per batch of first
+attempts (`fetch_all`).
 Such a statement is a transaction of its own on a connection that
 `app.db.transaction.one_statement` checked out in AUTOCOMMIT: SQLAlchemy
 would only pass the text and the parameters on, and read one row back. Here
@@ -62,13 +65,33 @@ async def fetch_one(
     conn: AsyncConnection, clause: TextClause, positional: Positional, params: Mapping[str, Any]
 ) -> Mapping[str, Any] | None:
     """Run `clause` (compiled as `positional`) with `params` on `conn`: the one row it returns, or None."""
+    rows = await _run(conn, clause, positional, params, one=True)
+    return rows[0] if rows else None
+
+
+async def fetch_all(
+    conn: AsyncConnection, clause: TextClause, positional: Positional, params: Mapping[str, Any]
+) -> list[Mapping[str, Any]]:
+    """Run `clause` (compiled as `positional`) with `params` on `conn`: every row it returns.
+
+    For the webhook dispatcher's reads and moves of its cursor
+    (app/outbox/delivery.py), each a lone statement in AUTOCOMMIT too.
+    """
+    return await _run(conn, clause, positional, params, one=False)
+
+
+async def _run(conn: AsyncConnection, clause: TextClause, positional: Positional, params: Mapping[str, Any], *,
+               one: bool) -> list[Mapping[str, Any]]:
     options = conn.sync_connection.get_execution_options()  # no I/O: the options it was given
     if not (options.get(DRIVER_STATEMENTS) and options.get("isolation_level") == "AUTOCOMMIT"):
-        return (await conn.execute(clause, dict(params))).mappings().one_or_none()
+        result = (await conn.execute(clause, dict(params))).mappings()
+        row = result.one_or_none() if one else None
+        return ([] if row is None else [row]) if one else list(result.all())
     sql, names = positional.sql, positional.names
     driver = (await conn.get_raw_connection()).driver_connection
+    values = [params[name] for name in names]
     try:
-        row = await driver.fetchrow(sql, *(params[name] for name in names))
+        rows = [await driver.fetchrow(sql, *values)] if one else await driver.fetch(sql, *values)
     except asyncpg.IntegrityConstraintViolationError as exc:
         # SQLSTATE class 23: what the claim reads as "the reference is
         # taken" or "no partition for today" (app/payments/phases.py,
@@ -88,4 +111,4 @@ async def fetch_one(
         # SQLAlchemy does with a connection whose statement was cancelled.
         driver.terminate()
         raise
-    return None if row is None else dict(row.items())
+    return [dict(row.items()) for row in rows if row is not None]

@@ -43,6 +43,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 from standardwebhooks import Webhook
 
+from app.db import driver
 from app.outbox import egress, http1
 from app.outbox.events import AFTER_THE_CURSOR
 from app.outbox.sealing import SecretsKey
@@ -330,6 +331,14 @@ _BACKLOG = text(
 )
 
 
+# The two statements of a batch of first attempts, each a lone statement in
+# AUTOCOMMIT, go to asyncpg itself past SQLAlchemy's execution when the
+# engine allows it: an optimisation (app/db/driver.py, measured in
+# docs/reference/performance.md#a-webhook-post-without-aiohttp).
+_TAKE_POSITIONAL = driver.Positional.of(_TAKE)
+_MOVE_POSITIONAL = driver.Positional.of(_MOVE)
+
+
 @dataclass(frozen=True)
 class Batch:
     """Events read behind the cursor by the dispatcher now holding its lease."""
@@ -354,7 +363,7 @@ async def take(conn: AsyncConnection, *, limit: int, lease_seconds: float, key: 
     cursor moves past exactly the events passed over or sent.
     """
     read = limit * READ_AHEAD
-    rows = (await conn.execute(_TAKE, dict(limit=read, lease_seconds=lease_seconds))).mappings().all()
+    rows = await driver.fetch_all(conn, _TAKE, _TAKE_POSITIONAL, dict(limit=read, lease_seconds=lease_seconds))
     if not rows:
         return None
     token, to_send, last = rows[0]["lease_token"], [], rows[0]
@@ -377,9 +386,9 @@ async def move(conn: AsyncConnection, batch: Batch, finished: list[Attempted], i
                lease_seconds: float) -> bool:
     """Move the cursor past `batch`, writing each attempt's rows; False: its lease was taken over, nothing written."""
     answers = [(a.claimed, a.answer, a.decision) for a in finished] + [(c, None, None) for c in in_flight]
-    row = (
-        await conn.execute(
-            _MOVE,
+    [row] = (
+        await driver.fetch_all(
+            conn, _MOVE, _MOVE_POSITIONAL,
             dict(
                 token=batch.token, written_by=batch.written_by, event_id=batch.last_event_id,
                 lease_seconds=lease_seconds,
@@ -395,8 +404,8 @@ async def move(conn: AsyncConnection, batch: Batch, finished: list[Attempted], i
                 errors=[a.error if a else None for _, a, _ in answers],
             ),
         )
-    ).one()
-    return row.moved == 1
+    )
+    return row["moved"] == 1
 
 
 async def claim(conn: AsyncConnection, *, limit: int, lease_seconds: float, key: SecretsKey) -> list[Claimed]:

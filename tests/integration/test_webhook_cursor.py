@@ -20,10 +20,11 @@ import uuid
 
 import asyncpg
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from app.config import asyncpg_url
+from app.db.driver import DRIVER_STATEMENTS
 from app.db.transaction import one_statement
 from app.outbox import delivery
 from app.outbox.delivery import Answer, Attempted, Decision
@@ -35,9 +36,12 @@ from tests.support import behind_every_running_transaction, headers, payment_bod
 KEY = SecretsKey(SECRETS_KEY)
 
 
-@pytest.fixture
-async def engine(database_url):
-    engine = create_async_engine(asyncpg_url(database_url))
+# Every test here runs both ways `take` and `move` can be sent: to asyncpg
+# itself (the optimisation of app/db/driver.py, the service's default) and
+# through SQLAlchemy (REPLAY_SHORTCUT=false).
+@pytest.fixture(params=[True, False], ids=["driver", "sqlalchemy"])
+async def engine(database_url, request):
+    engine = create_async_engine(asyncpg_url(database_url), execution_options={DRIVER_STATEMENTS: request.param})
     yield engine
     await engine.dispose()
 
@@ -243,3 +247,23 @@ async def test_a_read_starts_at_the_cursor_and_reads_no_event_behind_it(db, engi
 
     assert batch is not None and [c.event_id for c in batch.to_send] == written[110:]
     assert fetched == 10, "only the ten events after the cursor were read"
+
+
+async def test_the_cursors_statements_go_to_the_driver_only_when_it_is_allowed(db, engine, endpoint, acme):
+    # Bug caught: the optimisation silently never applies to the dispatcher's
+    # statements (or applies with REPLAY_SHORTCUT=false, which must switch
+    # every optimisation off).
+    sent: list[str] = []
+    event.listen(engine.sync_engine, "before_cursor_execute", lambda conn, cursor, sql, *rest: sent.append(sql))
+    await batch_event(db, acme.id)
+    await behind_every_running_transaction(db)
+
+    batch = await take(engine)
+    assert batch is not None and len(batch.to_send) == 1
+    assert await move(engine, batch, finished=[Attempted(batch.to_send[0], Answer(200, 1.0, None),
+                                                         Decision(delivery.DELIVERED))])
+
+    assert await db.fetchval("SELECT state FROM webhook_delivery") == "delivered"
+    on = engine.sync_engine.get_execution_options()[DRIVER_STATEMENTS]
+    cursor_statements = [sql for sql in sent if "webhook_cursor" in sql]
+    assert len(cursor_statements) == (0 if on else 2)
