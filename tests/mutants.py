@@ -331,6 +331,20 @@ MUTANTS = (
         ("tests/integration/test_webhook_cursor.py::test_a_batch_moved_after_its_lease_was_taken_over_writes_nothing",),
     ),
     Mutant(
+        "egress-address",
+        "the webhook dispatcher connects only to addresses the egress policy permits, judged after resolution",
+        (
+            Edit(
+                "app/outbox/egress.py",
+                "    kept = [info for info in found if policy.permits(str(info[4][0]))]\n",
+                "    kept = list(found)  # MUTANT: every address the host resolves to is connected to\n",
+            ),
+        ),
+        ("tests/unit/test_webhook_egress.py::test_the_dispatcher_connects_to_no_refused_address_and_says_one_phrase_for_all",
+         "tests/unit/test_webhook_egress.py::test_a_name_that_resolves_inside_at_delivery_is_refused_though_it_was_registered"),
+        ("tests/unit/test_webhook_egress.py::test_https_is_delivered_to_a_certificate_of_the_ca_the_settings_trust",),
+    ),
+    Mutant(
         "refund-reservation",
         "a client refund reserves its amount only if what is left of the payment covers it, else a clean 409",
         (
