@@ -41,6 +41,9 @@ from app.outbox import egress
 # longer): a connection the merchant is about to close is not picked for a
 # POST, which is never sent twice, and would count as failed.
 KEEP_ALIVE_SECONDS = 5.0
+# The URLs whose parse is kept (`Client.targets`): one per endpoint in use;
+# past this many (endpoints re-registered over a long life), all are parsed anew.
+TARGETS_KEPT = 1024
 
 Resolve = Callable[[str, int], Awaitable[list[tuple]]]
 
@@ -189,6 +192,7 @@ class Client:
         self.max_body_read = max_body_read
         self.slots = asyncio.Semaphore(max_connections)
         self.idle: dict[tuple[bool, str, int], list[_Connection]] = {}
+        self.sweep: asyncio.TimerHandle | None = None  # the next close of connections idle too long
         self.targets: dict[str, _Target] = {}
         self.resolve = resolve or _resolve
         self.tls = policy.ssl_context()
@@ -200,6 +204,8 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
+        if self.sweep is not None:
+            self.sweep.cancel()
         for connections in self.idle.values():
             for connection in connections:
                 connection.close()
@@ -218,6 +224,8 @@ class Client:
         """
         target = self.targets.get(url)
         if target is None:
+            if len(self.targets) >= TARGETS_KEPT:
+                self.targets.clear()
             target = self.targets[url] = _target(url)
         async with self.slots:
             connection, head = None, None
@@ -237,6 +245,8 @@ class Client:
             if connection.reusable():
                 connection.idle_since = time.monotonic()
                 self.idle.setdefault((target.tls, target.host, target.port), []).append(connection)
+                if self.sweep is None:
+                    self.sweep = asyncio.get_running_loop().call_later(KEEP_ALIVE_SECONDS, self._sweep)
             else:
                 connection.close()
             return head
@@ -251,6 +261,28 @@ class Client:
         lines.append(b"\r\n")
         lines.append(body)
         return b"".join(lines)
+
+    def _sweep(self) -> None:
+        """Close every connection idle too long, to any endpoint: one no webhook goes to any more holds nothing.
+
+        Runs KEEP_ALIVE_SECONDS after a connection was last put back with no
+        sweep pending, and again while any connection is idle.
+        """
+        self.sweep = None
+        now = time.monotonic()
+        for key in list(self.idle):
+            kept = []
+            for connection in self.idle[key]:
+                if connection.open and now - connection.idle_since < KEEP_ALIVE_SECONDS:
+                    kept.append(connection)
+                else:
+                    connection.close()
+            if kept:
+                self.idle[key] = kept
+            else:
+                del self.idle[key]
+        if self.idle:
+            self.sweep = asyncio.get_running_loop().call_later(KEEP_ALIVE_SECONDS, self._sweep)
 
     def _idle(self, target: _Target) -> _Connection | None:
         """The most recently used idle connection to the endpoint still fit to carry a request, if any."""

@@ -298,3 +298,21 @@ async def test_a_path_a_request_line_cannot_carry_is_sent_percent_encoded(endpoi
 
     assert got.error_class is None
     assert merchant.requests[0][0].split(b"\r\n")[0] == b"POST /webhooks/f%C3%BCr%20uns?x=%41 HTTP/1.1"
+
+
+async def test_a_connection_left_idle_is_closed_though_no_webhook_goes_to_its_endpoint_again(
+    endpoint, session, monkeypatch
+):
+    closed = asyncio.Event()
+
+    class Watched(Merchant):
+        async def __call__(self, reader, writer):
+            await super().__call__(reader, writer)
+            closed.set()  # the dispatcher's side hung up: the loop above read its end
+
+    monkeypatch.setattr(http1, "KEEP_ALIVE_SECONDS", 0.05)
+    url = await endpoint(Watched(answer(200, body=b"{}")))
+    assert (await delivery.post(session, claimed(url), timeout=2)).error_class is None
+
+    await asyncio.wait_for(closed.wait(), timeout=2)  # no other POST: the sweep alone closes it
+    assert session.idle == {}
