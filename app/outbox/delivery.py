@@ -149,10 +149,11 @@ _CLAIM = text(
 # to read and nobody holds it, and only if it is still where this statement
 # read it from: the UPDATE waits for a dispatcher moving it at the same
 # moment and then looks at the row again, so two dispatchers never hold a
-# batch at once, nor read the same one in turn. Every event read moves the
-# cursor; only those of a client with an endpoint, and no delivery row yet,
-# are sent (a row exists if a person asked for a delivery first, or a
-# service of the previous revision wrote one).
+# batch at once, nor read the same one in turn. The batch ends before the
+# first event it has no slot for (:sendable slots): every event returned
+# moves the cursor; only those of a client with an endpoint, and no
+# delivery row yet, are sent (a row exists if a person asked for a delivery
+# first, or a service of the previous revision wrote one).
 _TAKE = text(
     """
     WITH position AS (
@@ -179,14 +180,29 @@ _TAKE = text(
            AND (c.lease_expires_at IS NULL OR c.lease_expires_at <= now())
            AND (c.written_by, c.event_id) = (position.written_by, position.event_id)
         RETURNING c.lease_token
+    ), target AS (
+        SELECT batch.*, w.url, w.secret_sealed,
+               CASE WHEN w.previous_secret_until > now() THEN w.previous_secret_sealed END AS previous_secret_sealed,
+               EXISTS (SELECT FROM webhook_delivery d WHERE d.event_id = batch.id) AS has_delivery
+          FROM batch LEFT JOIN webhook_endpoint w ON w.client_id = batch.client_id
+    ), counted AS (
+        -- An optimisation: only the events the batch passes over or sends
+        -- come back, those up to its :sendable-th webhook to send and the
+        -- ones passed over after it; the rest read ahead are not decoded
+        -- (docs/reference/performance.md#a-webhook-post-without-aiohttp).
+        SELECT target.*,
+               count(*) FILTER (WHERE url IS NOT NULL AND NOT has_delivery)
+                   OVER (ORDER BY written_by, id) AS sendable_so_far,
+               count(*) OVER () AS events_read
+          FROM target
     )
-    SELECT taken.lease_token, batch.written_by, batch.id AS event_id, batch.client_id, batch.type,
-           CASE WHEN w.url IS NOT NULL THEN CAST(batch.data AS text) END AS data, batch.created_at,
-           w.url, w.secret_sealed,
-           CASE WHEN w.previous_secret_until > now() THEN w.previous_secret_sealed END AS previous_secret_sealed,
-           EXISTS (SELECT FROM webhook_delivery d WHERE d.event_id = batch.id) AS has_delivery
-      FROM taken, batch LEFT JOIN webhook_endpoint w ON w.client_id = batch.client_id
-     ORDER BY batch.written_by, batch.id
+    SELECT taken.lease_token, counted.written_by, counted.id AS event_id, counted.client_id, counted.type,
+           CASE WHEN counted.url IS NOT NULL THEN CAST(counted.data AS text) END AS data, counted.created_at,
+           counted.url, counted.secret_sealed, counted.previous_secret_sealed, counted.has_delivery,
+           counted.events_read
+      FROM taken, counted
+     WHERE counted.sendable_so_far <= :sendable
+     ORDER BY counted.written_by, counted.id
     """
 )
 
@@ -352,18 +368,22 @@ class Batch:
 
 # How many events a read looks at for each webhook it may send: events of
 # clients without an endpoint are passed over, and should not leave a
-# batch's slots unused.
+# batch's slots unused. Those it looked at past the batch's end stay in
+# the database (`_TAKE` does not return them) and are read again next time.
 READ_AHEAD = 4
 
 
 async def take(conn: AsyncConnection, *, limit: int, lease_seconds: float, key: SecretsKey) -> Batch | None:
     """Lease the cursor and read the events after it, up to `limit` to send; None: nothing new, or another holds it.
 
-    The batch ends before the first event it has no slot for, so that the
-    cursor moves past exactly the events passed over or sent.
+    The batch ends before the first event it has no slot for (the
+    statement returns no event after it), so that the cursor moves past
+    exactly the events passed over or sent. `full`: the read found as many
+    events as it looked for, or a slot for each webhook it sends.
     """
     read = limit * READ_AHEAD
-    rows = await driver.fetch_all(conn, _TAKE, _TAKE_POSITIONAL, dict(limit=read, lease_seconds=lease_seconds))
+    rows = await driver.fetch_all(conn, _TAKE, _TAKE_POSITIONAL,
+                                  dict(limit=read, sendable=limit, lease_seconds=lease_seconds))
     if not rows:
         return None
     token, to_send, last = rows[0]["lease_token"], [], rows[0]
@@ -379,7 +399,8 @@ async def take(conn: AsyncConnection, *, limit: int, lease_seconds: float, key: 
                 secret=r["secret_sealed"] and key.open_cached(r["secret_sealed"]),
                 previous_secret=r["previous_secret_sealed"] and key.open_cached(r["previous_secret_sealed"])))
         last = r
-    return Batch(token, last["written_by"], last["event_id"], to_send, full=len(to_send) == limit or len(rows) == read)
+    return Batch(token, last["written_by"], last["event_id"], to_send,
+                 full=len(to_send) == limit or rows[0]["events_read"] == read)
 
 
 async def move(conn: AsyncConnection, batch: Batch, finished: list[Attempted], in_flight: list[Claimed], *,
