@@ -180,7 +180,9 @@ _TAKE = text(
            AND (c.lease_expires_at IS NULL OR c.lease_expires_at <= now())
            AND (c.written_by, c.event_id) = (position.written_by, position.event_id)
         RETURNING c.lease_token
-    ), target AS (
+    ), target AS MATERIALIZED (
+        -- MATERIALIZED: PostgreSQL 15 cannot plan the count below over this
+        -- query inlined ("WindowFunc not found in subplan target lists").
         SELECT batch.*, w.url, w.secret_sealed,
                CASE WHEN w.previous_secret_until > now() THEN w.previous_secret_sealed END AS previous_secret_sealed,
                EXISTS (SELECT FROM webhook_delivery d WHERE d.event_id = batch.id) AS has_delivery
