@@ -85,8 +85,10 @@ async def _run(conn: AsyncConnection, clause: TextClause, positional: Positional
     options = conn.sync_connection.get_execution_options()  # no I/O: the options it was given
     if not (options.get(DRIVER_STATEMENTS) and options.get("isolation_level") == "AUTOCOMMIT"):
         result = (await conn.execute(clause, dict(params))).mappings()
-        row = result.one_or_none() if one else None
-        return ([] if row is None else [row]) if one else list(result.all())
+        if one:
+            row = result.one_or_none()
+            return [] if row is None else [row]
+        return list(result.all())
     sql, names = positional.sql, positional.names
     driver = (await conn.get_raw_connection()).driver_connection
     values = [params[name] for name in names]

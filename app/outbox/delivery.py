@@ -542,11 +542,11 @@ async def post(http: http1.Client, claimed: Claimed, timeout: float) -> Answer:
     delivery is ever in flight twice.
     """
     assert claimed.url is not None
-    text = claimed.body()
-    headers = signed_headers(claimed, text, datetime.now(UTC))
+    body = claimed.body()
+    headers = signed_headers(claimed, body, datetime.now(UTC))
     started = time.perf_counter()
     try:
-        head = await http.post(claimed.url, text.encode(), headers, timeout)
+        head = await http.post(claimed.url, body.encode(), headers, timeout)
     except TimeoutError as exc:
         return Answer(None, _since(started), "timeout", _describe(exc, "no answer within the timeout"))
     except egress.RefusedAddress:
