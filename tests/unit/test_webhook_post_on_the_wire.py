@@ -24,6 +24,7 @@ from standardwebhooks import Webhook
 from app.outbox import delivery, egress, http1
 from app.outbox.delivery import Claimed
 from app.outbox.endpoints import new_secret
+from tests.support import until
 
 SECRET = new_secret()
 
@@ -272,8 +273,10 @@ async def test_no_more_connections_are_open_than_the_client_may_have(endpoint):
     url = await endpoint(merchant)
     async with delivery.session(max_connections=3, policy=egress.development()) as http:
         posts = [asyncio.create_task(delivery.post(http, claimed(url), timeout=5)) for _ in range(7)]
-        while merchant.holding < 3:
-            await asyncio.sleep(0.01)  # polling the merchant's own count, bounded by the test's timeout
+        async def three_held() -> bool:
+            return merchant.holding >= 3
+
+        await until(three_held, "three requests held by the merchant", timeout=5)
         assert merchant.connections == 3 and not any(p.done() for p in posts)
         merchant.release.set()
         answers = await asyncio.gather(*posts)
