@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
