@@ -16,6 +16,10 @@ writing transactions per payment (from the WAL)
     that writes the key row, the payment and the ledger is one transaction,
     and this is where one sees it. A temporary replication slot keeps the
     run's WAL from being recycled by a checkpoint before it is read.
+    A transaction that wrote only the workers' own bookkeeping (WORKERS_OWN:
+    the webhook dispatcher's cursor, the scheduled jobs' runs) is not a
+    payment's: it is counted apart, as the workers' writing transactions per
+    payment, and the target judges the rest.
 
 xact_commit per payment (pg_stat_database)
     Every commit in the service's database, read-only ones included (the
@@ -61,6 +65,15 @@ FIRST_USER_FILENODE = 16384
 
 
 # --- Writing transactions, from the WAL ------------------------------------------------
+
+# Tables only the workers write, for their own bookkeeping: the webhook
+# dispatcher's cursor (leased and moved once a batch of events, however many
+# payments the batch passes over; it moves with no webhook endpoint at all)
+# and the scheduled jobs' runs. A transaction that wrote nothing else is not
+# a payment's. One that wrote any other table is, whoever ran it: a payment
+# path that began writing a delivery row in a transaction of its own would
+# show in the payment's count.
+WORKERS_OWN = frozenset({"webhook_cursor", "scheduled_run"})
 
 
 @dataclass

@@ -45,6 +45,19 @@ variant takes one part out of it, or changes the schema under it:
                        statement, not with the payment, so that neither of
                        the payment's updates can be HOT: what that migration
                        saved
+    claim: the insert  HANDLER1's claim as a lone INSERT ... ON CONFLICT DO
+      alone            NOTHING into the key table, without
+                       claim_idempotency_key around it: no function call, no
+                       advisory lock, no look for the key in every day's
+                       partition (the look that makes a key unique across
+                       days, which no index can; so not a safe claim, only
+                       what those three cost)
+    no timeline        the key row's two updates append no entry to its
+                       timeline (the claim still writes the first)
+    no advance         CHARGE_CAPTURED's fence locks the key row (SELECT ...
+                       FOR UPDATE, the same conditions) instead of updating
+                       it: what recording EXT2_SENT in the key row costs,
+                       which the design requires before the payout is sent
     before 0015        both looks for the key (the caller's lookup, the
                        claim's) in every day's partition, the empty days
                        ahead included, as before migration 0015:
@@ -186,6 +199,50 @@ def before_0014(script: str) -> str:
     return _join(head, parts)
 
 
+def claim_insert_alone(script: str) -> str:
+    """HANDLER1's claim as the bare INSERT that claim_idempotency_key makes, with the same values."""
+    head, parts = _statements(script)
+    call = re.search(r"claim_idempotency_key\((.*?)\) AS claimed\(lease_token\)", parts[HANDLER1], re.S)
+    assert call, "HANDLER1 does not call claim_idempotency_key"
+    # Its seven arguments, split at the commas outside parentheses.
+    client, key, endpoint, request_hash, recovery_point, payment_id, seconds = (
+        a.strip() for a in re.split(r",(?![^(]*\))", call.group(1)))
+    fence = f"""WITH fence AS (
+    INSERT INTO idempotency_key
+        (client_id, key, stored_on, endpoint, request_hash, state, recovery_point, payment_id,
+         lease_token, lease_expires_at, timeline)
+    VALUES ({client}, {key}, key_table_day(), {endpoint}, {request_hash}, 'started', {recovery_point}, {payment_id},
+            gen_random_uuid(), now() + make_interval(secs => {seconds}),
+            jsonb_build_array(jsonb_build_object(
+                'at', now(), 'event', 'claimed', 'recovery_point', {recovery_point}, 'attempt', 1)))
+    ON CONFLICT DO NOTHING
+    RETURNING lease_token, stored_on
+), created AS"""
+    parts[HANDLER1], n = _CLAIM.subn(lambda _: fence, parts[HANDLER1])
+    assert n == 1, "HANDLER1 has no claim to replace"
+    return _join(head, parts)
+
+
+def without_timeline(script: str) -> str:
+    head, parts = _statements(script)
+    for statement in (CHARGE, PAYOUT):
+        parts[statement], n = re.subn(r",\n\s+timeline = timeline \|\| jsonb_build_object\([^\n]*\)\n", "\n",
+                                      parts[statement])
+        assert n == 1, f"statement {statement} appends no timeline entry"
+    return _join(head, parts)
+
+
+def without_advance(script: str) -> str:
+    """CHARGE_CAPTURED's fence as a row lock on the key row, under the same conditions, instead of its UPDATE."""
+    head, parts = _statements(script)
+    where = re.search(r"UPDATE idempotency_key\n.*?(WHERE client_id.*?)\n\s+RETURNING payment_id", parts[CHARGE], re.S)
+    assert where, "CHARGE_CAPTURED's fence is not an UPDATE of the key row"
+    lock = f"WITH fence AS (\n    SELECT payment_id FROM idempotency_key\n     {where.group(1)}\n       FOR UPDATE\n)"
+    parts[CHARGE], n = _FENCE.subn(lambda _: lock, parts[CHARGE])
+    assert n == 1, "CHARGE_CAPTURED has no key row's fence"
+    return _join(head, parts)
+
+
 def twin_script(api_key_hash: bytes) -> str:
     """The naive twin's statements for one paid payment, as naive_twin/app.py runs them."""
     from naive_twin import app as twin  # its SQL, not a copy of it
@@ -227,6 +284,9 @@ VARIANTS = [
     Variant("payment: its key only", "payment key only", without_on_conflict),
     Variant("before 0014", "before 0014", before_0014),
     Variant("before 0015", "before 0015"),
+    Variant("claim: the insert alone", "head", claim_insert_alone),
+    Variant("no timeline", "head", without_timeline),
+    Variant("no advance", "head", without_advance),
     Variant("naive twin", "head", twin=True),
 ]
 SCHEMAS = {

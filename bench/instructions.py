@@ -577,10 +577,10 @@ async def _reset(url: str) -> None:
         await conn.close()
 
 
-async def _read(url: str) -> list[asyncpg.Record]:
+async def _read(url: str, database: str = SERVICE_DATABASE) -> list[asyncpg.Record]:
     conn = await asyncpg.connect(url)
     try:
-        return await conn.fetch(STATEMENTS_SQL, SERVICE_DATABASE)
+        return await conn.fetch(STATEMENTS_SQL, database)
     finally:
         await conn.close()
 
@@ -617,9 +617,11 @@ def statement_costs(stack: Stack, server_url: str, variant: str, payments: int, 
              "(already counted in the statement that ran them)", show_sql)
 
 
-def show(rows: list[asyncpg.Record], payments: int, phases: dict[str, str], title: str, show_sql: bool) -> None:
+def show(rows: list[asyncpg.Record], payments: int, phases: dict[str, str], title: str, show_sql: bool,
+         unit: str = "payment") -> None:
+    """`rows` of pg_stat_statements as a table, each call's cost and the calls per `unit` (`payments` of them)."""
     table = Table(title=title, title_justify="left")
-    for column in ("statement", "calls/payment", "mean ms", "hit/call", "read/call", "dirtied/call",
+    for column in ("statement", f"calls/{unit}", "mean ms", "hit/call", "read/call", "dirtied/call",
                    "written/call", "WAL B/call", "WAL rec/call", "rows/call"):
         table.add_column(column, justify="left" if column == "statement" else "right")
     for r in rows:

@@ -1,6 +1,7 @@
 """The webhook dispatcher's instructions per first attempt: a figure the machine's noise does not move.
 
     .venv/bin/python -m bench.webhook_instructions [--webhooks 800] [--warmup 200] [--repeats 2] [--tolerance 0.03]
+        [--statements/--no-statements]
 
 Not on a request's path: a bench of its own, beside bench/webhook_cpu.py
 (the dispatcher's CPU seconds per webhook, which move with whatever else the
@@ -34,6 +35,13 @@ same system; a figure is given only if the repeats agree within
 repeats that disagree, webhooks not delivered) says NO FIGURE and why, and
 exits 1.
 
+With `--statements` (the default) the run also gives the database's cost
+per statement over the last window, per first attempt: PostgreSQL's
+`pg_stat_statements` (preloaded on an embedded server of the bench's own,
+as bench/instructions.py does) is reset as the window opens and read as it
+closes, so it holds the dispatcher's statements in the window and this
+process's own polls for the `delivered` rows, which are named as such.
+
 For a before/after, run the same command with PYTHONPATH on another copy of
 the tree (a `git worktree` of the commit before): every process of the run,
 the dispatcher's included, then imports that copy's app/.
@@ -53,7 +61,19 @@ from pathlib import Path
 import asyncpg
 import typer
 
-from bench.instructions import MARKERS, NoFigure, agreed, require_valgrind, window_total
+from bench.instructions import (
+    MARKERS,
+    NoFigure,
+    _read,
+    _require_statements,
+    _reset,
+    agreed,
+    bench_server,
+    normalise,
+    require_valgrind,
+    show,
+    window_total,
+)
 from bench.load import Load
 from bench.system import LOGS, RESULTS, console
 from devtools.system import System
@@ -65,6 +85,8 @@ OUT = RESULTS / "callgrind"
 PATIENCE_SECONDS = 300.0
 # How often the dispatcher's process looks for the next marker file (its only work besides the dispatcher's).
 MARKER_POLL_SECONDS = 0.05
+# This process's own poll for the window's end, which pg_stat_statements sees beside the dispatcher's statements.
+DELIVERED_SQL = "SELECT count(*) FROM webhook_delivery WHERE state = 'delivered'"
 
 
 # --- The process under callgrind -----------------------------------------------
@@ -118,8 +140,26 @@ async def _write(load: Load, conn: asyncpg.Connection, until: int) -> int:
     return events
 
 
-async def one_window(system: System, service_url: str, load: Load, webhooks: int, warmup: int, tag: str) -> dict:
-    """Start a dispatcher under callgrind, warm it up, count one window of `webhooks` first attempts."""
+def dispatcher_statements() -> dict[str, str]:
+    """The dispatcher's statements by their normalised text (bench/instructions.py's `normalise`) → a name."""
+    from sqlalchemy.sql.elements import TextClause
+
+    from app.outbox import delivery
+
+    found = {normalise(DELIVERED_SQL): "this bench's own poll for the window's end"}
+    for name, value in vars(delivery).items():
+        if isinstance(value, TextClause):  # sent by SQLAlchemy or, compiled to $n, by the driver: read alike
+            found[normalise(value.text)] = f"delivery.{name}"
+    return found
+
+
+async def one_window(system: System, service_url: str, load: Load, webhooks: int, warmup: int, tag: str,
+                     server_url: str | None = None) -> dict:
+    """Start a dispatcher under callgrind, warm it up, count one window of `webhooks` first attempts.
+
+    Given `server_url` (the server's maintenance database), pg_stat_statements
+    is reset as the window opens and read as it closes (the window's `statements`).
+    """
     out = OUT / f"webhooks-{tag}.out"
     markers = OUT / f"webhooks-{tag}.markers"
     markers.mkdir(parents=True, exist_ok=True)
@@ -128,7 +168,7 @@ async def one_window(system: System, service_url: str, load: Load, webhooks: int
     conn = await asyncpg.connect(service_url)
 
     async def delivered() -> int:
-        return await conn.fetchval("SELECT count(*) FROM webhook_delivery WHERE state = 'delivered'")
+        return await conn.fetchval(DELIVERED_SQL)
 
     log = (LOGS / f"webhook-instructions-{tag}.log").open("w")
     child = None
@@ -150,6 +190,8 @@ async def one_window(system: System, service_url: str, load: Load, webhooks: int
             await blocker.fetchval("SELECT pg_current_xact_id()")
             written = await _write(load, conn, written + webhooks)
             before = await delivered()
+            if server_url:
+                await _reset(server_url)
             (markers / "open").touch()
             await _until(lambda: _exists(markers / "opened"), "the window opened")
             await hold.rollback()
@@ -157,6 +199,7 @@ async def one_window(system: System, service_url: str, load: Load, webhooks: int
             await blocker.close()
         await _until(lambda: _at_least(delivered, written), "the window's webhooks delivered under callgrind")
         counted = await delivered() - before
+        statements = await _read(server_url, SERVICE_DATABASE) if server_url else []
         (markers / "close").touch()
         await _until(lambda: _exists(markers / "closed"), "the window closed")
         child.wait(PATIENCE_SECONDS)
@@ -170,7 +213,8 @@ async def one_window(system: System, service_url: str, load: Load, webhooks: int
         raise NoFigure(f"callgrind wrote the dumps {[d.name for d in dumps]}, not one for the window: is "
                        f"{MARKERS} a function of this Python's (its symbols stripped)? see {log.name}")
     instructions = window_total(dumps[0].read_text(errors="replace"))
-    return {"webhooks": counted, "instructions": instructions, "per_webhook": instructions / counted}
+    return {"webhooks": counted, "instructions": instructions, "per_webhook": instructions / counted,
+            "statements": [dict(r) for r in statements]}
 
 
 async def _at_least(count, target: int) -> bool:
@@ -187,6 +231,8 @@ def main(
     repeats: int = typer.Option(2, help="Windows, each in a new dispatcher; their figures must agree."),
     tolerance: float = typer.Option(0.03, help="How far the repeats may disagree (a fraction)."),
     port_base: int = typer.Option(55760, help="The first of four consecutive ports."),
+    statements: bool = typer.Option(True, "--statements/--no-statements",
+                                    help="Also the database's cost per statement in the last window."),
     drive_markers: Path | None = typer.Option(None, "--drive", hidden=True),
 ) -> None:
     if drive_markers is not None:
@@ -195,8 +241,9 @@ def main(
     psp_port, rail_port, merchant_port, api_port = range(port_base, port_base + 4)
     try:
         require_valgrind()
-        with System(LOGS / "webhook_instructions") as system:
-            system.start_postgres()
+        with System(LOGS / "webhook_instructions") as system, bench_server(system) as server_url:
+            if statements:
+                asyncio.run(_require_statements(server_url))
             rails_url = system.create_database(RAILS_DATABASE, migrate=False)
             service_url = system.create_database(SERVICE_DATABASE)
             client_id, api_key = system.create_client("bench-webhooks")
@@ -216,7 +263,8 @@ def main(
                 finally:
                     await conn.close()
                 async with Load(api.url, api_key, 8) as load:
-                    return [await one_window(system, service_url, load, webhooks, warmup, str(n))
+                    return [await one_window(system, service_url, load, webhooks, warmup, str(n),
+                                             server_url if statements else None)
                             for n in range(1, repeats + 1)]
 
             windows = asyncio.run(run())
@@ -229,6 +277,20 @@ def main(
                       f"{w['per_webhook']:,.0f} a webhook")
     console.print(f"the dispatcher's instructions per first attempt: [bold]{figure:,.0f}[/] "
                   f"(the mean of {len(windows)} windows)")
+    last = windows[-1]
+    if statements:
+        rows = [r for r in last.pop("statements") if r["toplevel"]]
+        show(rows, last["webhooks"], dispatcher_statements(), f"the database's cost per statement in window "
+             f"{len(windows)} ({last['webhooks']} first attempts; pg_stat_statements)", False, unit="webhook")
+        own = dispatcher_statements()
+        mine = [r for r in rows if own.get(normalise(r["query"]), "").startswith("delivery.")]
+        console.print(f"the dispatcher's statements per first attempt: "
+                      f"{sum(r['calls'] for r in mine) / last['webhooks']:.3f} calls, "
+                      f"{sum(r['total_exec_time'] for r in mine) / last['webhooks']:.3f} ms, "
+                      f"{sum(r['shared_blks_hit'] + r['shared_blks_read'] for r in mine) / last['webhooks']:.1f} "
+                      f"shared blocks, {sum(float(r['wal_bytes']) for r in mine) / last['webhooks']:,.0f} WAL bytes")
+    for w in windows:
+        w.pop("statements", None)
     print(json.dumps({"instructions_per_webhook": round(figure), "windows": windows}), flush=True)
 
 

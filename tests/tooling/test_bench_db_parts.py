@@ -79,6 +79,12 @@ def _updates(url: str, expected: int) -> tuple[int, int]:
     return asyncio.run(fetch())
 
 
+def _timelines(url: str, newest: int) -> list[int]:
+    """How many entries the timelines of the `newest` key rows hold (each finished: 3 on the way as is)."""
+    return [_value(url, f"SELECT jsonb_array_length(timeline) FROM idempotency_key WHERE state = 'finished' "
+                        f"ORDER BY created_at DESC, key OFFSET {n} LIMIT 1") for n in range(newest)]
+
+
 def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str]):
     api_key = None
     for schema, url in databases.items():
@@ -90,6 +96,7 @@ def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str
     assert binary, "no pgbench"
 
     written: dict[str, dict[str, int]] = {}
+    timelines: dict[str, list[int]] = {}  # entries in each key row a variant on the key table wrote
     for v in db_parts.VARIANTS:
         url = databases[v.database]
         before = _counts(url)
@@ -97,6 +104,8 @@ def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str
         assert done == PAYMENTS, v.name
         after = _counts(url)
         written[v.name] = {t: after[t] - before[t] for t in TABLES if after[t] != before[t]}
+        if v.name in ("as is", "no timeline", "no advance", "claim: the insert alone"):
+            timelines[v.name] = _timelines(url, PAYMENTS)
 
     ours = {"idempotency_key": 3, "payment": 3, "event": 3, "ledger_entry": 15}
     assert written == {
@@ -109,8 +118,13 @@ def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str
         "payment: its key only": ours,
         "before 0014": ours,
         "before 0015": ours,
+        "claim: the insert alone": ours,
+        "no timeline": ours,
+        "no advance": ours,
         "naive twin": {"naive.payment": 3, "naive.ledger_entry": 15},
     }
+    assert timelines == {"as is": [3] * PAYMENTS, "no timeline": [1] * PAYMENTS, "no advance": [2] * PAYMENTS,
+                         "claim: the insert alone": [3] * PAYMENTS}
     # And each schema is what its variant says.
     partitions = "SELECT count(*) FROM pg_inherits WHERE inhparent = 'idempotency_key'::regclass"
     assert _value(databases["head"], partitions) == 8 and _value(databases["2 partitions"], partitions) == 2
@@ -122,11 +136,15 @@ def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str
     last_day = "SELECT key_table_last_day() - key_table_day()"
     assert _value(databases["head"], last_day) == 1
     assert _value(databases["before 0015"], "SELECT CAST(key_table_last_day() = 'infinity' AS int)") == 1
-    # Every update of payment is HOT on the head's schema (four variants ran
+    # Every update of payment is HOT on the head's schema (seven variants ran
     # on it, two updates a payment) and none on the schema before 0014.
-    head_updates = 4 * PAYMENTS * 2
+    head_updates = 7 * PAYMENTS * 2
     assert _updates(databases["head"], head_updates) == (head_updates, head_updates)
     assert _updates(databases["before 0014"], PAYMENTS * 2) == (PAYMENTS * 2, 0)
     scripts = {name: path.read_text() for name, path in files.items()}
     assert "JOIN idempotency_key" in scripts["as is"] and "-- 1. " not in scripts["no lookup"]
     assert "idempotency_key" not in scripts["no key row"]
+    # The claim's function, and so its lock and its look, is gone from the one variant and only there.
+    assert "claim_idempotency_key" not in scripts["claim: the insert alone"]
+    assert all("claim_idempotency_key" in script for name, script in scripts.items()
+               if name not in ("claim: the insert alone", "no key row", "naive twin"))

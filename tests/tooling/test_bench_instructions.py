@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from sqlalchemy.sql.elements import TextClause
 
 from app.machine.statements import Statement
 from app.payments import phases
@@ -161,8 +162,6 @@ def test_a_phase_is_matched_by_its_whole_text_not_by_a_part_of_it():
 
 def test_no_two_phase_statements_read_alike_once_normalised():
     # Two that did would be named by whichever came last: every statement must keep a name of its own.
-    from sqlalchemy.sql.elements import TextClause
-
     from app.payments import returns
     from app.payments.refunds import phases as refund_phases
 
@@ -187,3 +186,17 @@ def test_no_two_phase_statements_read_alike_once_normalised():
 ])
 def test_other_statements_are_named_by_what_their_text_says(query, name):
     assert phase_of(query, known_phases()) == name
+
+
+def test_the_dispatchers_statements_are_named_however_they_were_sent():
+    # The cursor's read goes to asyncpg compiled to $n (app/db/driver.py); a retry's claim through SQLAlchemy.
+    from app.outbox import delivery
+    from bench.webhook_instructions import dispatcher_statements
+
+    names = dispatcher_statements()
+    assert phase_of(delivery._TAKE_POSITIONAL.sql, names) == "delivery._TAKE"
+    assert phase_of(delivery._MOVE_POSITIONAL.sql, names) == "delivery._MOVE"
+    assert phase_of(as_the_server_shows_it(delivery._CLAIM.text), names) == "delivery._CLAIM"
+    # No two of its statements read alike once normalised, so none loses its name to another.
+    texts = [v for v in vars(delivery).values() if isinstance(v, TextClause)]
+    assert len(names) == len(texts) + 1  # and this bench's own poll
