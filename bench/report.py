@@ -69,6 +69,11 @@ def _per(total: float | None, n: int, scale: float = 1.0) -> float | None:
     return None if total is None or not n else total * scale / n
 
 
+def workers_own_writes(by_tables: dict[str, float]) -> float:
+    """Of the writing transactions by the tables each wrote, those that wrote only the workers' own (WORKERS_OWN)."""
+    return sum(count for tables, count in by_tables.items() if set(tables.split("+")) <= WORKERS_OWN)
+
+
 def summarize_kind(runs: list[dict[str, Any]], latency: dict[str, Any]) -> dict[str, Any]:
     """One variant (or the replays) at one worker count, over its rounds."""
     rates = [r["run"]["per_second"] for r in runs]
@@ -79,7 +84,7 @@ def summarize_kind(runs: list[dict[str, Any]], latency: dict[str, Any]) -> dict[
         for tables, count in w["by_tables"].items():
             by_tables[tables] = by_tables.get(tables, 0) + count
     wal_n = sum(w["operations"] for w in walled)
-    workers_own = sum(count for tables, count in by_tables.items() if set(tables.split("+")) <= WORKERS_OWN)
+    workers_own = workers_own_writes(by_tables)
     xact = [r["xact_commit"] for r in runs if r["xact_commit"]["delta"] is not None]
     cpu: dict[str, float] = {}
     for r in runs:
@@ -262,12 +267,17 @@ def progress_line(label: str, run: dict[str, Any]) -> str:
     r = run["run"]
     lat = r["latency_ms"]
     wal = run["wal"]
-    writes = "n/a" if "n/a" in wal else fmt(_per(wal["transactions"], wal["operations"]), 2)
+    if "n/a" in wal:
+        writes = "n/a writing txns each"
+    else:  # the operation's own, and the workers' beside them if they wrote
+        workers = workers_own_writes(wal["by_tables"])
+        writes = f"{fmt(_per(wal['transactions'] - workers, wal['operations']), 2)} writing txns each" + (
+            f" and {fmt(_per(workers, wal['operations']), 2)} the workers'" if workers else "")
     verdict = "[green]ok[/]" if run["exactly_once"]["pass"] else "[bold red]FAIL[/]"
     unit = "replays" if run["kind"].startswith("replays") else REFUNDS if run["kind"] == REFUNDS else "payments"
     other = f", [yellow]{r['requests'] - r['succeeded']} not 201[/]" if r["requests"] > r["succeeded"] else ""
     return (f"{label}: {fmt(r['per_second'], 0)} {unit}/s, p50 {fmt(lat['p50'])} ms, p99 {fmt(lat['p99'])} ms, "
-            f"{writes} writing txns each, busy {fmt(run['machine_busy_percent'], 0)}%{other}; exactly-once {verdict}")
+            f"{writes}, busy {fmt(run['machine_busy_percent'], 0)}%{other}; exactly-once {verdict}")
 
 
 def _cpu_rows(table: Table, columns: list[dict[str, Any] | None], unit: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.report import summarize
+from bench.report import progress_line, summarize
 
 
 def _round(kind: str, payments: int, by_tables: dict[str, int]) -> dict[str, Any]:
@@ -58,3 +58,10 @@ def test_a_transaction_that_wrote_the_cursor_and_a_payments_table_is_the_payment
 
     assert block["phased"]["writing_txns"] == 3.0
     assert block["phased"]["workers_writing_txns"] == 0.0
+
+
+def test_each_rounds_line_gives_the_payments_writes_and_the_workers_beside_them():
+    line = progress_line("[1w] round 1 phased", _round("phased", 1000, {**PHASES, "webhook_cursor": 30}))
+
+    assert "3.00 writing txns each and 0.03 the workers', busy" in line
+    assert "3.00 writing txns each," in progress_line("naive", _round("naive", 1000, PHASES))
