@@ -43,7 +43,7 @@ from typing import Any
 import asyncpg
 import typer
 
-from bench.instructions import _reset as reset_statements
+from bench.instructions import reset_statements
 from bench.instructions import STATEMENTS_SQL, COMMAND, NoFigure, Stack, known_phases, phase_of, send, show
 from bench.system import LOGS, NAIVE, PHASED, RAILS_DATABASE, SERVICE_DATABASE, SETTINGS, console, fakes, running
 from devtools import embedded_db

@@ -554,7 +554,7 @@ SELECT s.query, s.calls, s.total_exec_time, s.mean_exec_time, s.rows,
 """
 
 
-async def _require_statements(url: str) -> None:
+async def require_statements(url: str) -> None:
     conn = await asyncpg.connect(url)
     try:
         preloaded = await conn.fetchval("SELECT current_setting('shared_preload_libraries')")
@@ -569,7 +569,7 @@ async def _require_statements(url: str) -> None:
         await conn.close()
 
 
-async def _reset(url: str) -> None:
+async def reset_statements(url: str) -> None:
     conn = await asyncpg.connect(url)
     try:
         await conn.execute("SELECT pg_stat_statements_reset()")
@@ -577,7 +577,7 @@ async def _reset(url: str) -> None:
         await conn.close()
 
 
-async def _read(url: str, database: str = SERVICE_DATABASE) -> list[asyncpg.Record]:
+async def read_statements(url: str, database: str = SERVICE_DATABASE) -> list[asyncpg.Record]:
     conn = await asyncpg.connect(url)
     try:
         return await conn.fetch(STATEMENTS_SQL, database)
@@ -594,9 +594,9 @@ def statement_costs(stack: Stack, server_url: str, variant: str, payments: int, 
     process.start()
     try:
         send(process.url, stack.api_key, warmup, 0, replayed=False)
-        asyncio.run(_reset(server_url))
+        asyncio.run(reset_statements(server_url))
         send(process.url, stack.api_key, payments, 0, replayed=False)
-        rows = asyncio.run(_read(server_url))
+        rows = asyncio.run(read_statements(server_url))
     finally:
         process.stop()
     if not rows:
@@ -679,7 +679,7 @@ def main(
         if not skip_callgrind:
             console.print(subprocess.run([require_valgrind(), "--version"], capture_output=True, text=True).stdout.strip())
         with System(LOGS) as system, bench_server(system) as server_url:
-            asyncio.run(_require_statements(server_url)) if statements else None
+            asyncio.run(require_statements(server_url)) if statements else None
             system.create_database(RAILS_DATABASE, migrate=False)
             system.create_database(SERVICE_DATABASE)
             _, api_key = system.create_client("bench")

@@ -64,13 +64,13 @@ import typer
 from bench.instructions import (
     MARKERS,
     NoFigure,
-    _read,
-    _require_statements,
-    _reset,
     agreed,
     bench_server,
     normalise,
+    read_statements,
+    require_statements,
     require_valgrind,
+    reset_statements,
     show,
     window_total,
 )
@@ -191,7 +191,7 @@ async def one_window(system: System, service_url: str, load: Load, webhooks: int
             written = await _write(load, conn, written + webhooks)
             before = await delivered()
             if server_url:
-                await _reset(server_url)
+                await reset_statements(server_url)
             (markers / "open").touch()
             await _until(lambda: _exists(markers / "opened"), "the window opened")
             await hold.rollback()
@@ -199,7 +199,7 @@ async def one_window(system: System, service_url: str, load: Load, webhooks: int
             await blocker.close()
         await _until(lambda: _at_least(delivered, written), "the window's webhooks delivered under callgrind")
         counted = await delivered() - before
-        statements = await _read(server_url, SERVICE_DATABASE) if server_url else []
+        statements = await read_statements(server_url, SERVICE_DATABASE) if server_url else []
         (markers / "close").touch()
         await _until(lambda: _exists(markers / "closed"), "the window closed")
         child.wait(PATIENCE_SECONDS)
@@ -243,7 +243,10 @@ def main(
         require_valgrind()
         with System(LOGS / "webhook_instructions") as system, bench_server(system) as server_url:
             if statements:
-                asyncio.run(_require_statements(server_url))
+                try:
+                    asyncio.run(require_statements(server_url))
+                except NoFigure as exc:
+                    raise NoFigure(f"{exc} (--no-statements: the instructions alone)") from None
             rails_url = system.create_database(RAILS_DATABASE, migrate=False)
             service_url = system.create_database(SERVICE_DATABASE)
             client_id, api_key = system.create_client("bench-webhooks")
@@ -280,9 +283,9 @@ def main(
     last = windows[-1]
     if statements:
         rows = [r for r in last.pop("statements") if r["toplevel"]]
-        show(rows, last["webhooks"], dispatcher_statements(), f"the database's cost per statement in window "
-             f"{len(windows)} ({last['webhooks']} first attempts; pg_stat_statements)", False, unit="webhook")
         own = dispatcher_statements()
+        show(rows, last["webhooks"], own, f"the database's cost per statement in window "
+             f"{len(windows)} ({last['webhooks']} first attempts; pg_stat_statements)", False, unit="webhook")
         mine = [r for r in rows if own.get(normalise(r["query"]), "").startswith("delivery.")]
         console.print(f"the dispatcher's statements per first attempt: "
                       f"{sum(r['calls'] for r in mine) / last['webhooks']:.3f} calls, "

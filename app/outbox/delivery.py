@@ -185,8 +185,15 @@ _TAKE = text(
         -- query inlined ("WindowFunc not found in subplan target lists").
         SELECT batch.*, w.url, w.secret_sealed,
                CASE WHEN w.previous_secret_until > now() THEN w.previous_secret_sealed END AS previous_secret_sealed,
-               EXISTS (SELECT FROM webhook_delivery d WHERE d.event_id = batch.id) AS has_delivery
+               d.event_id IS NOT NULL AS has_delivery
           FROM batch LEFT JOIN webhook_endpoint w ON w.client_id = batch.client_id
+          -- LATERAL with LIMIT, so that each event's delivery row is looked
+          -- up by its key. As an EXISTS, PostgreSQL may plan one hashed scan
+          -- of every delivery row instead (it did, with a read's plan made
+          -- for any :limit), and a read then costs the table's history.
+          LEFT JOIN LATERAL (
+              SELECT d.event_id FROM webhook_delivery d WHERE d.event_id = batch.id LIMIT 1
+          ) d ON true
     ), counted AS (
         -- An optimisation: only the events the batch passes over or sends
         -- come back, those up to its :sendable-th webhook to send and the

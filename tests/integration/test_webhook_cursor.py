@@ -249,6 +249,37 @@ async def test_a_read_starts_at_the_cursor_and_reads_no_event_behind_it(db, engi
     assert fetched == 10, "only the ten events after the cursor were read"
 
 
+async def test_a_read_looks_up_each_events_delivery_row_by_its_key_however_many_rows_there_are(
+    db, engine, endpoint, acme
+):
+    """A read costs its batch, not the delivery table's history: no scan of every delivery row.
+
+    Bug caught: the read asked EXISTS (a delivery row for this event), and
+    with its plan made for any batch size PostgreSQL scanned every delivery
+    row into a hash table on each read, so a long-running dispatcher's reads
+    grew with every webhook it had ever delivered.
+    """
+    history = [await batch_event(db, acme.id) for _ in range(400)]
+    await db.execute("INSERT INTO webhook_delivery (event_id, client_id, state, attempts, delivered_at) "
+                     "SELECT id, client_id, 'delivered', 1, now() FROM event WHERE id = ANY($1::uuid[])", history)
+    await db.execute("UPDATE webhook_cursor SET (written_by, event_id) = "
+                     "(SELECT written_by, id FROM event WHERE id = $1)", history[-1])
+    new = [await batch_event(db, acme.id) for _ in range(10)]
+    await db.execute("ANALYZE webhook_delivery")
+    await behind_every_running_transaction(db)
+
+    async with engine.connect() as conn:  # one transaction: its own counters are the read's
+        # A plan made once for any parameters, as on the service's connections (app/db/engine.py).
+        await conn.execute(text("SET LOCAL plan_cache_mode = force_generic_plan"))
+        batch = await delivery.take(conn, limit=50, lease_seconds=30, key=KEY)
+        # Rows that sequential scans of webhook_delivery read.
+        scanned = await conn.scalar(text("SELECT pg_stat_get_xact_tuples_returned('webhook_delivery'::regclass)"))
+        await conn.rollback()
+
+    assert batch is not None and [c.event_id for c in batch.to_send] == new
+    assert scanned == 0, "every delivery row was read to learn which of ten events have one"
+
+
 async def test_the_cursors_statements_go_to_the_driver_only_when_it_is_allowed(db, engine, endpoint, acme):
     # Bug caught: the optimisation silently never applies to the dispatcher's
     # statements (or applies with REPLAY_SHORTCUT=false, which must switch
