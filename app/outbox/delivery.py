@@ -191,8 +191,11 @@ _TAKE = text(
           -- up by its key. As an EXISTS, PostgreSQL may plan one hashed scan
           -- of every delivery row instead (it did, with a read's plan made
           -- for any :limit), and a read then costs the table's history.
+          -- Only for an event whose client has an endpoint: no other is sent.
           LEFT JOIN LATERAL (
-              SELECT d.event_id FROM webhook_delivery d WHERE d.event_id = batch.id LIMIT 1
+              SELECT d.event_id FROM webhook_delivery d
+               WHERE d.event_id = batch.id AND w.client_id IS NOT NULL
+               LIMIT 1
           ) d ON true
     ), counted AS (
         -- An optimisation: only the events the batch passes over or sends
