@@ -249,6 +249,25 @@ async def test_a_read_starts_at_the_cursor_and_reads_no_event_behind_it(db, engi
     assert fetched == 10, "only the ten events after the cursor were read"
 
 
+async def test_an_event_that_already_has_a_delivery_row_is_passed_over_not_sent_again(db, engine, endpoint, acme):
+    """A person asked for a delivery before the cursor reached the event: that row is its delivery, a retry's to make.
+
+    Bug caught: the read cannot tell which events have a delivery row (as
+    when its lookup of the row is broken), and the cursor sends a first
+    attempt beside the retry already due.
+    """
+    asked, plain = await batch_event(db, acme.id), await batch_event(db, acme.id)
+    await db.execute("INSERT INTO webhook_delivery (event_id, client_id) VALUES ($1, $2)", asked, acme.id)
+    await behind_every_running_transaction(db)
+
+    batch = await take(engine)
+
+    assert batch is not None and [c.event_id for c in batch.to_send] == [plain]
+    assert await move(engine, batch)
+    assert await db.fetchval("SELECT count(*) FROM webhook_attempt WHERE event_id = $1", asked) == 0
+    assert await db.fetchval("SELECT event_id FROM webhook_cursor") == plain, "passed over, and behind the cursor"
+
+
 async def test_a_read_looks_up_each_events_delivery_row_by_its_key_however_many_rows_there_are(
     db, engine, endpoint, acme
 ):
