@@ -331,6 +331,21 @@ MUTANTS = (
         ("tests/integration/test_webhook_cursor.py::test_a_batch_moved_after_its_lease_was_taken_over_writes_nothing",),
     ),
     Mutant(
+        "cursor-delivery-row",
+        "the webhook cursor sends no first attempt for an event that already has a delivery row",
+        (
+            Edit(
+                "app/outbox/delivery.py",
+                "               d.event_id IS NOT NULL AS has_delivery\n",
+                "               false AS has_delivery  -- MUTANT: every event is taken to have no delivery row\n",
+            ),
+        ),
+        ("tests/integration/test_webhook_cursor.py::"
+         "test_an_event_that_already_has_a_delivery_row_is_passed_over_not_sent_again",),
+        ("tests/integration/test_webhook_cursor.py::"
+         "test_a_payment_writes_its_event_only_and_the_cursor_sends_those_of_clients_with_an_endpoint",),
+    ),
+    Mutant(
         "egress-address",
         "the webhook dispatcher connects only to addresses the egress policy permits, judged after resolution",
         (
