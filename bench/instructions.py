@@ -192,6 +192,9 @@ def agreed(name: str, figures: list[float], tolerance: float) -> float:
 _LITERAL = re.compile(r"'(?:[^']|'')*'")
 _PARAMETER = re.compile(r"(?<![:\w]):\w+|\$\d+")
 _NUMBER = re.compile(r"\b\d+\b")
+# A NULL written as a value (`SET lease_token = NULL`) is a constant too, which
+# pg_stat_statements may show as `$n`; so every NULL reads as one.
+_NULL = re.compile(r"\bnull\b", re.I)
 
 
 def normalise(sql: str) -> str:
@@ -203,6 +206,7 @@ def normalise(sql: str) -> str:
     sql = _LITERAL.sub("?", sql)
     sql = _PARAMETER.sub("?", sql)
     sql = _NUMBER.sub("?", sql)
+    sql = _NULL.sub("?", sql)
     return " ".join(sql.replace("(", " ( ").replace(")", " ) ").replace(",", " , ").split()).lower()
 
 

@@ -196,6 +196,9 @@ def test_the_dispatchers_statements_are_named_however_they_were_sent():
     names = dispatcher_statements()
     assert phase_of(delivery._TAKE_POSITIONAL.sql, names) == "delivery._TAKE"
     assert phase_of(delivery._MOVE_POSITIONAL.sql, names) == "delivery._MOVE"
+    # As the server showed it in a run: its `lease_token = NULL` as a parameter of its own.
+    shown = delivery._MOVE_POSITIONAL.sql.replace("lease_token = NULL", "lease_token = $15", 1)
+    assert shown != delivery._MOVE_POSITIONAL.sql and phase_of(shown, names) == "delivery._MOVE"
     assert phase_of(as_the_server_shows_it(delivery._CLAIM.text), names) == "delivery._CLAIM"
     # No two of its statements read alike once normalised, so none loses its name to another.
     texts = [v for v in vars(delivery).values() if isinstance(v, TextClause)]
