@@ -23,6 +23,13 @@ sizes, dead tuples, autovacuum runs (per table, after each round)
     Bloat of a row or an index that every payment updates.
 the statements whose buffers per call grew most from the first round to the last
     By query text, each database apart: where the growth is, if there is any.
+the btree indexes that gained a level in a round (pageinspect's bt_metap)
+    A descent into an index reads one page per level, so every insert into
+    or look in an index that gains a level touches one buffer more from
+    then on. That is a step at a size (a level holds a few hundred times
+    the one below it), not a cost that grows with every payment; this
+    names the step when the buffers rise. The bench creates pageinspect
+    in its databases; where it cannot, the levels are n/a.
 
 The exactly-once check runs once, over all rounds, at the end (so its reads
 do not land in a round). Results: the terminal and
@@ -104,6 +111,34 @@ async def tables(url: str) -> dict[str, dict[str, Any]]:
     return {r["name"]: dict(r) for r in rows}
 
 
+async def index_levels(url: str) -> dict[str, int] | None:
+    """Each btree index's level (0: its root is its only leaf) outside the catalogs; None without pageinspect."""
+    conn = await asyncpg.connect(url)
+    try:
+        try:
+            await conn.execute(f"CREATE EXTENSION IF NOT EXISTS pageinspect {PROBE}")
+        except asyncpg.PostgresError:
+            return None
+        rows = await conn.fetch(
+            f"""SELECT n.nspname || '.' || c.relname AS name, (bt_metap(c.oid::regclass::text)).level
+                  FROM pg_class c
+                  JOIN pg_namespace n ON n.oid = c.relnamespace
+                  JOIN pg_am a ON a.oid = c.relam
+                 WHERE c.relkind = 'i' AND a.amname = 'btree'
+                   AND n.nspname NOT IN ('pg_catalog', 'information_schema', 'pg_toast') {PROBE}"""
+        )
+    finally:
+        await conn.close()
+    return {r["name"]: r["level"] for r in rows}
+
+
+def deeper(after: dict[str, int] | None, before: dict[str, int] | None) -> dict[str, list[int]]:
+    """The indexes whose level rose between two readings: name -> [level before, level after]."""
+    if after is None or before is None:
+        return {}
+    return {name: [before.get(name, 0), level] for name, level in after.items() if level > before.get(name, 0)}
+
+
 def delta(after: dict[str, Any], before: dict[str, Any] | None, keys: tuple[str, ...]) -> dict[str, int]:
     return {k: after[k] - (before or {}).get(k, 0) for k in keys}
 
@@ -134,6 +169,7 @@ async def measure(rounds: int, duration: float, concurrency: int, warmup: float)
                     await asyncio.sleep(STATS_SETTLE_SECONDS)
                     stmts_before = await statements(conn)
                     tables_before = {db: await tables(url) for db, url in urls.items()}
+                    levels_before = {db: await index_levels(url) for db, url in urls.items()}
                     sessions_before = await sessions(conn)
                     for number in range(1, rounds + 1):
                         cpu_before = await meter.mark(roles())
@@ -142,6 +178,7 @@ async def measure(rounds: int, duration: float, concurrency: int, warmup: float)
                         stmts_after = await statements(conn)
                         await asyncio.sleep(STATS_SETTLE_SECONDS)
                         tables_after = {db: await tables(url) for db, url in urls.items()}
+                        levels_after = {db: await index_levels(url) for db, url in urls.items()}
                         sessions_after = await sessions(conn)
                         all_runs.append(run)
                         n = run.succeeded
@@ -177,6 +214,8 @@ async def measure(rounds: int, duration: float, concurrency: int, warmup: float)
                             per_db["rows_read_per_payment"] = round(
                                 sum(t["seq_tup_read"] + t["idx_tup_fetch"] for t in per_table.values()) / n, 2)
                             per_db["tables"] = per_table
+                            per_db["indexes_deeper"] = (None if levels_after[db] is None
+                                                        else deeper(levels_after[db], levels_before[db]))
                             figures["databases"][db] = per_db
                         results["rounds"].append(figures)
                         line = ", ".join(
@@ -186,7 +225,11 @@ async def measure(rounds: int, duration: float, concurrency: int, warmup: float)
                             f"{figures['databases'][db]['cpu_ms_per_payment']} CPU ms"
                             for db in DATABASES)
                         console.print(f"round {number}: {n} payments ({run.per_second:.0f}/s); per payment {line}")
+                        for db in DATABASES:
+                            for name, (was, now) in (figures["databases"][db]["indexes_deeper"] or {}).items():
+                                console.print(f"  a level more: {name} ({was} -> {now})")
                         stmts_before, tables_before, sessions_before = stmts_after, tables_after, sessions_after
+                        levels_before = levels_after
                 merged = RunResult()
                 for r in all_runs:
                     merged.paid += r.paid
@@ -222,6 +265,19 @@ def growers(results: dict[str, Any], top: int = 8) -> dict[str, list[dict[str, A
     return out
 
 
+def last_over_first(results: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """Per database: the last round's cost per payment over the first's, by buffers and by CPU."""
+    first, last = results["rounds"][0]["databases"], results["rounds"][-1]["databases"]
+    out: dict[str, dict[str, float | None]] = {}
+    for db in DATABASES:
+        ratios: dict[str, float | None] = {}
+        for figure in ("buffers_per_payment", "cpu_ms_per_payment"):
+            a, b = first[db].get(figure), last[db].get(figure)
+            ratios[figure] = round(b / a, 3) if a and b is not None else None
+        out[db] = ratios
+    return out
+
+
 def main(
     rounds: int = typer.Option(6, min=2, help="Rounds of new payments, one after the other."),
     duration: float = typer.Option(15.0, min=1, help="Seconds of each round."),
@@ -237,6 +293,10 @@ def main(
                 "parameters": {"rounds": rounds, "duration_s": duration, "concurrency": concurrency,
                                "warmup_s": warmup}}
     if len(results["rounds"]) >= 2:
+        results["last_over_first"] = last_over_first(results)
+        for db, ratios in results["last_over_first"].items():
+            console.print(f"[bold]{db}[/]: last round / first, per payment: "
+                          f"buffers {ratios['buffers_per_payment']}, CPU {ratios['cpu_ms_per_payment']}")
         results["growers"] = growers(results)
         for db, rows in results["growers"].items():
             console.print(f"[bold]{db}[/]: buffers per payment, first round -> last, by statement")
