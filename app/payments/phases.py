@@ -259,11 +259,14 @@ async def record_transfer(
 # way nothing of the charge is refundable any more. A failed payment gives
 # its reference up (the order may be paid again); a refunded one moved money
 # out and back, and keeps it (the CHECK payment_holds_reference_by_status
-# refuses any other combination).
+# refuses any other combination). `:status` is cast to text in both places:
+# `status` is of the domain payment_status (migration 0017), and PostgreSQL
+# refuses one parameter it would read as the domain in one place, text in the other.
 CHARGE_REFUNDED = finish(
     updated="""
         UPDATE payment
-           SET status = :status, holds_reference = CAST(:status AS text) <> 'failed', psp_refund_id = :refund_id,
+           SET status = CAST(:status AS text), holds_reference = CAST(:status AS text) <> 'failed',
+               psp_refund_id = :refund_id,
                refunded_minor = amount_minor, updated_at = now()
          WHERE payment.id = (SELECT payment_id FROM fence)
         RETURNING payment.*

@@ -681,3 +681,104 @@ async def test_0016_keeps_every_event_and_delivery_and_reads_only_new_events_beh
         assert rows == {old: "pending", new: "pending"}
     finally:
         await conn.close()
+
+
+async def test_0017_keeps_every_row_and_refuses_each_broken_one_column_rule_through_its_domain(scratch):
+    await migrate(scratch, revision_before("0017"))
+    conn = await asyncpg.connect(scratch)
+    try:
+        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
+        for status in STATUSES:
+            await insert_payment(conn, uuid.uuid4(), client, f"order-{status}", "processing")
+            await conn.execute("UPDATE payment SET status = $1, holds_reference = $2 WHERE reference = $3",
+                               status, status not in ("declined", "failed"), f"order-{status}")
+        paid = await conn.fetchval("SELECT id FROM payment WHERE status = 'succeeded'")
+        await conn.execute("INSERT INTO ledger_entry (payment_id, posting, account, debit_minor, credit_minor, currency) "
+                           "VALUES ($1, 'charge_captured', 'psp', 1250, 0, 'EUR'), "
+                           "($1, 'charge_captured', 'client', 0, 1250, 'EUR')", paid)
+        await conn.execute("INSERT INTO idempotency_key (client_id, key, endpoint, request_hash, state, recovery_point, "
+                           "payment_id, response_code, response_body) VALUES ($1, 'k-done', 'POST /v1/payments', "
+                           "'\\x00', 'finished', 'FINISHED', $2, 201, '{}'), ($1, 'k-open', 'POST /v1/payments', "
+                           "'\\x00', 'started', 'EXT1_SENT', NULL, NULL, NULL)", client, paid)
+        await conn.execute("INSERT INTO event (client_id, payment_id, type, data) "
+                           "VALUES ($1, $2, 'payment.succeeded', '{}')", client, paid)
+        tables = ("payment", "ledger_entry", "idempotency_key", "event")
+        before = {t: [dict(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in tables}
+        files = {t: await conn.fetchval(f"SELECT pg_relation_filenode('{t}')") for t in ("payment", "ledger_entry")}
+    finally:
+        await conn.close()
+
+    await migrate(scratch, "0017")
+
+    conn = await asyncpg.connect(scratch)
+    try:
+        for t in tables:
+            assert [dict(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] == before[t], t
+        # Nothing was rewritten: a table's storage is the same file.
+        assert {t: await conn.fetchval(f"SELECT pg_relation_filenode('{t}')") for t in files} == files
+        # Each column's type is its domain, and no table keeps a CHECK on one column of a new payment's
+        # (else the server would still read it back on every write: what this revision is for).
+        typed = dict(await conn.fetch(
+            "SELECT c.table_name || '.' || c.column_name, c.domain_name FROM information_schema.columns c "
+            "WHERE c.table_schema = 'public' AND c.domain_name IS NOT NULL AND c.table_name = ANY($1)", list(tables)))
+        assert typed == {
+            "payment.amount_minor": "positive_minor", "payment.net_minor": "positive_minor",
+            "payment.fee_minor": "nonnegative_minor", "payment.status": "payment_status",
+            "ledger_entry.debit_minor": "nonnegative_minor", "ledger_entry.credit_minor": "nonnegative_minor",
+            "idempotency_key.state": "key_state", "idempotency_key.response_body": "stored_response",
+            "event.type": "event_type",
+        }
+        checks = await conn.fetch(
+            "SELECT conrelid::regclass::text AS t, conname, convalidated, array_length(conkey, 1) AS columns "
+            "FROM pg_constraint WHERE contype = 'c' AND conrelid = ANY($1::regclass[])", list(tables))
+        assert {(r["t"], r["conname"]) for r in checks} == {
+            ("payment", "payment_check"), ("payment", "payment_refunded_within_amount"),
+            ("payment", "payment_holds_reference_by_status"), ("ledger_entry", "ledger_entry_check"),
+            ("idempotency_key", "idempotency_key_check"),
+        }
+        assert all(r["convalidated"] and r["columns"] > 1 for r in checks)
+
+        # Bug caught: a rule lost on the way. Each one-column rule is refused through its domain, and each
+        # rule between columns through its table, as before.
+        refused = [
+            ("UPDATE payment SET status = 'lost' WHERE reference = 'order-processing'", "payment_status_check"),
+            ("UPDATE payment SET amount_minor = 0, net_minor = 0, fee_minor = 0 WHERE reference = 'order-failed'",
+             "positive_minor_check"),
+            ("UPDATE payment SET fee_minor = -1, net_minor = 1251 WHERE reference = 'order-failed'",
+             "nonnegative_minor_check"),
+            ("UPDATE payment SET fee_minor = 44 WHERE reference = 'order-failed'", "payment_check"),
+            ("UPDATE payment SET refunded_minor = 1251 WHERE reference = 'order-refunded'",
+             "payment_refunded_within_amount"),
+            ("UPDATE payment SET status = 'declined' WHERE reference = 'order-processing'",
+             "payment_holds_reference_by_status"),
+            ("UPDATE ledger_entry SET credit_minor = -1 WHERE account = 'client'", "nonnegative_minor_check"),
+            ("UPDATE ledger_entry SET credit_minor = 1 WHERE account = 'psp'", "ledger_entry_check"),
+            ("UPDATE idempotency_key SET state = 'paused' WHERE key = 'k-open'", "key_state_check"),
+            ("UPDATE idempotency_key SET response_body = repeat('x', 4097) WHERE key = 'k-done'",
+             "stored_response_check"),
+            ("UPDATE idempotency_key SET state = 'finished' WHERE key = 'k-open'", "idempotency_key_check"),
+            ("UPDATE event SET type = 'Payment.Succeeded'", "event_type_check"),
+        ]
+        for statement, rule in refused:
+            with pytest.raises(asyncpg.CheckViolationError) as refusal:
+                await conn.execute(statement)
+            assert refusal.value.constraint_name == rule, statement
+        for t in tables:
+            assert [dict(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] == before[t], t
+    finally:
+        await conn.close()
+
+    # Back to the previous revision: the same rows, each rule a CHECK of its table again.
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(_downgrade, scratch, revision_before("0017")).result()
+    conn = await asyncpg.connect(scratch)
+    try:
+        for t in tables:
+            assert [dict(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] == before[t], t
+        assert not await conn.fetchval("SELECT count(*) FROM pg_type WHERE typtype = 'd' AND typnamespace = "
+                                       "'public'::regnamespace")
+        with pytest.raises(asyncpg.CheckViolationError) as refusal:
+            await conn.execute("UPDATE payment SET status = 'lost' WHERE reference = 'order-processing'")
+        assert refusal.value.constraint_name == "payment_status_check"
+    finally:
+        await conn.close()
