@@ -48,8 +48,17 @@ The table-wide CHECKs that name a changed column are dropped and added again
 NOT VALID in the transaction (else PostgreSQL would check them again with a
 scan under the table's ACCESS EXCLUSIVE lock), and validated after it
 commits, reading each table under a SHARE UPDATE EXCLUSIVE lock that lets
-reads and writes go on. A service of the previous revision can run beside
-this one: it writes the same values.
+reads and writes go on.
+
+A service of the previous revision still running against the new schema
+writes the same values, but one of its statements is refused: recording a
+compensating refund (CHARGE_REFUNDED in app/payments/phases.py) reads its
+status parameter as text in one place and assigns it to `status` in the
+other, and PostgreSQL will not take one parameter as the domain in one
+place and text in the other. That phase rolls back and is retried with
+backoff, on whichever process owns the payment next; the refund at the PSP
+is not made again (its key is derived). Stop the old service first, or
+upgrade both at once, as `payments migrate` before `payments api` does.
 
 Revision ID: 0017
 Revises: 0016
