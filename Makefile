@@ -13,7 +13,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run cluster cluster-ha soak soak-ha test test-batches test-batches-1000 mutants bench bench-batch bench-rate bench-outbox bench-explain bench-db-parts bench-instructions bench-webhook-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
+.PHONY: install run cluster cluster-ha soak soak-ha test test-batches test-batches-1000 mutants bench bench-batch bench-rate bench-outbox bench-explain bench-db-parts bench-instructions bench-webhook-instructions bench-server-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
 
 install: $(STAMP)
 
@@ -163,6 +163,12 @@ bench-instructions: $(STAMP)
 # The webhook dispatcher's instructions per first attempt, counted by callgrind in a window (needs valgrind)
 bench-webhook-instructions: $(STAMP)
 	$(BIN)/python -m bench.webhook_instructions
+
+# The database server's instructions per new payment, the safe service's statements and the naive twin's,
+# counted by callgrind in the server's backend, and split by the server's own functions (needs valgrind)
+# (docs/reference/performance.md#where-the-databases-instructions-go). About two minutes.
+bench-server-instructions: $(STAMP)
+	$(BIN)/python -m bench.server_instructions
 
 # The console's and /docs' pictures in docs/images/, made again from nothing
 # with the distribution's headless Chromium (apt-get install chromium chromium-driver).
