@@ -48,7 +48,8 @@ The table-wide CHECKs that name a changed column are dropped and added again
 NOT VALID in the transaction (else PostgreSQL would check them again with a
 scan under the table's ACCESS EXCLUSIVE lock), and validated after it
 commits, reading each table under a SHARE UPDATE EXCLUSIVE lock that lets
-reads and writes go on.
+reads and writes go on. The downgrade is the simple way back: the CHECKs are
+added again validated, a scan of each table under its lock.
 
 A service of the previous revision still running against the new schema
 writes the same values, but one of its statements is refused: recording a
