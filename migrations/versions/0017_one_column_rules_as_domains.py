@@ -5,9 +5,9 @@ parsed expression. PostgreSQL reads that text back into an expression, and
 prepares it, on every statement that inserts or updates a row of the table:
 for every CHECK of the table, whichever columns the statement sets. A new
 payment writes `payment` three times, `idempotency_key` three times,
-`ledger_entry` twice and `event` once, so before this revision the server
-read 37 constraint texts per payment, and that reading was the largest
-single cost in its instructions (measured in
+`ledger_entry` twice and `event` once, and before this revision each of
+those writes read back every CHECK of its table: the largest single cost
+in the server's instructions per payment (measured in
 docs/reference/performance.md, "Where the database's instructions go").
 
 A domain is a type with the rule attached, and PostgreSQL reads a domain's
@@ -43,13 +43,20 @@ writes would wait).
 
 On a large table: a column's type changed to a domain over the same base
 type, which has no rule yet at that moment, is a catalogue change that
-rewrites nothing, and the indexes that name the column keep their storage.
+rewrites no table, and an index on the column keeps its storage. One kind
+of index is built again: one whose WHERE names the column, which here is
+the key table's two indexes of unfinished (and of parked) keys, on
+`state`. Each build reads its partition whole under the key table's ACCESS
+EXCLUSIVE lock (claims and lookups wait), and writes only the unfinished
+keys, a handful.
 The table-wide CHECKs that name a changed column are dropped and added again
 NOT VALID in the transaction (else PostgreSQL would check them again with a
 scan under the table's ACCESS EXCLUSIVE lock), and validated after it
 commits, reading each table under a SHARE UPDATE EXCLUSIVE lock that lets
 reads and writes go on. The downgrade is the simple way back: the CHECKs are
-added again validated, a scan of each table under its lock.
+added again validated, a scan of each table under its lock. Timed on a
+million payments in docs/reference/performance.md, "Migration 0017 on a
+million payments".
 
 A service of the previous revision still running against the new schema
 writes the same values, but one of its statements is refused: recording a
@@ -119,6 +126,22 @@ def upgrade() -> None:
     for table, column, domain, check, _ in COLUMNS:
         op.execute(f"ALTER TABLE {table} DROP CONSTRAINT {check}")
         op.execute(f"ALTER TABLE {table} ALTER COLUMN {column} TYPE {domain}")
+    # The indexes whose WHERE names `state` were built again, and PostgreSQL named each partition's new one
+    # itself; the legacy partition's had names of their own (migration 0006), given back here.
+    for parent in ("idempotency_key_unfinished", "idempotency_key_parked"):
+        own = parent.replace("idempotency_key_", "idempotency_key_legacy_")
+        op.execute(
+            f"""
+            DO $$ DECLARE built regclass; BEGIN
+                SELECT i.inhrelid::regclass INTO built
+                  FROM pg_inherits i JOIN pg_index x ON x.indexrelid = i.inhrelid
+                 WHERE i.inhparent = '{parent}'::regclass AND x.indrelid = 'idempotency_key_legacy'::regclass;
+                IF built IS NOT NULL AND built::text <> '{own}' THEN
+                    EXECUTE format('ALTER INDEX %s RENAME TO {own}', built);
+                END IF;
+            END $$
+            """
+        )
     for domain, _, rule in DOMAINS:
         op.execute(f"ALTER DOMAIN {domain} ADD CONSTRAINT {domain}_check CHECK ({rule}) NOT VALID")
     for table, name, rule in TIES:
