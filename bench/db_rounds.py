@@ -189,8 +189,8 @@ async def measure(rounds: int, duration: float, concurrency: int, warmup: float)
                         for db in DATABASES:
                             per_db: dict[str, Any] = {
                                 "cpu_ms_per_payment": round(spent.get(costs.PG_PARTS[db], 0.0) * 1000 / n, 3),
-                                # the probes' own sessions (tables() above) are one per round
-                                "sessions_opened": sessions_after.get(db, 0) - sessions_before.get(db, 0) - 1,
+                                # the probes' own sessions (tables() and index_levels() above) are two per round
+                                "sessions_opened": sessions_after.get(db, 0) - sessions_before.get(db, 0) - 2,
                             }
                             if stmts_after is not None and stmts_before is not None:
                                 by_query = {}
