@@ -128,6 +128,16 @@ async def _empty(url: str) -> None:
         await conn.close()
 
 
+async def _quiet(url: str) -> None:
+    conn = await asyncpg.connect(url)
+    try:
+        for name, value in QUIET:
+            if (found := await conn.fetchval(f"SELECT current_setting('{name}')")) != value:
+                raise NoFigure(f"the server runs with {name} = {found}, not {value}")
+    finally:
+        await conn.close()
+
+
 def run_pgbench(binary: str, url: str, script: Path, payments: int, folder: Path) -> Path:
     """One pgbench run of `payments` payments on one connection, on empty tables; the dump of its backend.
 
@@ -188,7 +198,7 @@ def measure(repeats: int, tolerance: float) -> None:
     postmaster = subprocess.Popen(
         ["valgrind", "--tool=callgrind", "--trace-children=yes", f"--callgrind-out-file={folder}/callgrind.%p",
          str(server.bin_dir / "postgres"), "-D", str(server.data_dir), "-h", "127.0.0.1", "-p", str(server.port),
-         "-k", str(server.data_dir), *(f"-c{name}={value}" for name, value in QUIET)],
+         "-k", str(server.data_dir), *(arg for name, value in QUIET for arg in ("-c", f"{name}={value}"))],
         user=user, stdout=subprocess.DEVNULL, stderr=open(folder / "server.log", "w"),
     )
     figures: dict[str, list[float]] = {name: [] for name in SCRIPTS}
@@ -201,6 +211,7 @@ def measure(repeats: int, tolerance: float) -> None:
             if postmaster.poll() is not None or time.monotonic() > deadline:
                 raise NoFigure(f"the server did not start under valgrind; see {folder / 'server.log'}")
             time.sleep(0.2)  # polling for the port
+        asyncio.run(_quiet(url))
         for repeat in range(1, repeats + 1):
             for name in SCRIPTS:
                 fewer, more = (run_pgbench(binary, url, files[name], n, folder) for n in WINDOWS)
