@@ -509,7 +509,7 @@ async def test_0013_keeps_every_row_drops_the_keys_into_client_and_refuses_to_de
         await conn.execute("INSERT INTO event (client_id, payment_id, type, data) VALUES ($1, $2, 'payment.succeeded', '{}')",
                            client, payment)
         tables = ("client", "payment", "idempotency_key", "event")
-        before = {t: [dict(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in tables}
+        before = {t: await every_row(conn, t) for t in tables}
         with pytest.raises(asyncpg.ForeignKeyViolationError):  # before: a payment must name a client that exists
             await insert_payment(conn, uuid.uuid4(), client + 1000, "order-2", "succeeded")
     finally:
@@ -634,6 +634,11 @@ def _downgrade(url: str, revision: str) -> None:
     command.downgrade(config, revision)
 
 
+async def downgrade(url: str, revision: str) -> None:
+    with ThreadPoolExecutor(1) as pool:  # as `migrate`: Alembic's loop cannot nest in ours
+        pool.submit(_downgrade, url, revision).result()
+
+
 async def test_0016_keeps_every_event_and_delivery_and_reads_only_new_events_behind_the_cursor(scratch):
     await migrate(scratch, revision_before("0016"))
     conn = await asyncpg.connect(scratch)
@@ -673,14 +678,17 @@ async def test_0016_keeps_every_event_and_delivery_and_reads_only_new_events_beh
 
     # Back to the previous revision, whose dispatcher reads delivery rows only:
     # the new event, still ahead of the cursor, gets its row; the old keeps its own.
-    with ThreadPoolExecutor(1) as pool:
-        pool.submit(_downgrade, scratch, revision_before("0016")).result()
+    await downgrade(scratch, revision_before("0016"))
     conn = await asyncpg.connect(scratch)
     try:
         rows = {r["event_id"]: r["state"] for r in await conn.fetch("SELECT event_id, state FROM webhook_delivery")}
         assert rows == {old: "pending", new: "pending"}
     finally:
         await conn.close()
+
+
+async def every_row(conn: asyncpg.Connection, table: str) -> list[dict]:
+    return [dict(r) for r in await conn.fetch(f"SELECT * FROM {table} ORDER BY 1, 2")]
 
 
 async def test_0017_keeps_every_row_and_refuses_each_broken_one_column_rule_through_its_domain(scratch):
@@ -703,7 +711,7 @@ async def test_0017_keeps_every_row_and_refuses_each_broken_one_column_rule_thro
         await conn.execute("INSERT INTO event (client_id, payment_id, type, data) "
                            "VALUES ($1, $2, 'payment.succeeded', '{}')", client, paid)
         tables = ("payment", "ledger_entry", "idempotency_key", "event")
-        before = {t: [dict(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in tables}
+        before = {t: await every_row(conn, t) for t in tables}
         # The tables and the key table's partitions, and every index of theirs that names no changed column
         # (the key table's two indexes of unfinished keys name `state` in their WHERE: those are built again).
         stored = ("SELECT c.relname, pg_relation_filenode(c.oid) FROM pg_class c "
@@ -722,7 +730,7 @@ async def test_0017_keeps_every_row_and_refuses_each_broken_one_column_rule_thro
     conn = await asyncpg.connect(scratch)
     try:
         for t in tables:
-            assert [dict(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] == before[t], t
+            assert await every_row(conn, t) == before[t], t
         # Nothing was rewritten or built again: each table and index keeps its file.
         assert dict(await conn.fetch(stored)) == files
         # The key table's indexes that were built again keep their names (the legacy partition's its own).
@@ -776,17 +784,16 @@ async def test_0017_keeps_every_row_and_refuses_each_broken_one_column_rule_thro
                 await conn.execute(statement)
             assert refusal.value.constraint_name == rule, statement
         for t in tables:
-            assert [dict(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] == before[t], t
+            assert await every_row(conn, t) == before[t], t
     finally:
         await conn.close()
 
     # Back to the previous revision: the same rows, each rule a CHECK of its table again.
-    with ThreadPoolExecutor(1) as pool:
-        pool.submit(_downgrade, scratch, revision_before("0017")).result()
+    await downgrade(scratch, revision_before("0017"))
     conn = await asyncpg.connect(scratch)
     try:
         for t in tables:
-            assert [dict(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] == before[t], t
+            assert await every_row(conn, t) == before[t], t
         assert not await conn.fetchval("SELECT count(*) FROM pg_type WHERE typtype = 'd' AND typnamespace = "
                                        "'public'::regnamespace")
         with pytest.raises(asyncpg.CheckViolationError) as refusal:
