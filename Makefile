@@ -166,7 +166,7 @@ bench-webhook-instructions: $(STAMP)
 
 # The database server's instructions per new payment, the safe service's statements and the naive twin's,
 # counted by callgrind in the server's backend, and split by the server's own functions (needs valgrind)
-# (docs/reference/performance.md#where-the-databases-instructions-go-2026-12-03). About two minutes.
+# (docs/reference/performance.md#where-the-databases-instructions-go-2026-12-03). About a minute.
 bench-server-instructions: $(STAMP)
 	$(BIN)/python -m bench.server_instructions
 

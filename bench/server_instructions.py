@@ -15,15 +15,15 @@ directory of its own, a free port) is migrated to this tree's head and given
 client 1; bench/db_parts.py records one new payment's statements from the
 service's request path (and writes the naive twin's). The server is then
 started again under callgrind, following the backends it forks
-(`--trace-children=yes`), and pgbench runs each script with one client for
-10 payments and then, on a new connection, for 110, each on empty tables:
-each run's backend writes its counts as it exits. Instructions per payment = (the 110 run's -
-the 10 run's) / 100, so a connection's start (its catalogue caches) and end
-cancel out. The server runs without autovacuum and without full-page images
-(QUIET below). pgbench also opens a connection of its own first, which runs no
-payment; the run's backend is the one that wrote rows.
-Each script runs twice; the repeats must agree within 1%, else NO
-FIGURE and exit 1. Statements are prepared, with the service's session
+(`--trace-children=yes`), without autovacuum and without full-page images
+(QUIET below), and pgbench runs each script with one client for 10
+payments and then, on a new connection, for 110, each on empty tables:
+each run's backend writes its counts as it exits. Instructions per payment
+= (the 110 run's - the 10 run's) / 100, so a connection's start (its
+catalogue caches) and end cancel out. pgbench also opens a connection of
+its own first, which runs no payment; the run's backend is the one that
+wrote rows. Each script runs twice; the repeats must agree within 1%, else
+NO FIGURE and exit 1. Statements are prepared, with the service's session
 settings (`plan_cache_mode`), as bench/db_parts.py runs them.
 
 Where they go: callgrind_annotate's inclusive counts of a few of the
@@ -43,7 +43,7 @@ server's functions, per payment, the same difference of the two runs:
     finish_xact_command    the commit
 
 Needs valgrind (apt-get install valgrind) and callgrind_annotate beside it
-(without it, the totals only). About two minutes.
+(without it, the totals only). About a minute.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def measure(repeats: int, tolerance: float) -> None:
         ["valgrind", "--tool=callgrind", "--trace-children=yes", f"--callgrind-out-file={folder}/callgrind.%p",
          str(server.bin_dir / "postgres"), "-D", str(server.data_dir), "-h", "127.0.0.1", "-p", str(server.port),
          "-k", str(server.data_dir), *(arg for name, value in QUIET for arg in ("-c", f"{name}={value}"))],
-        user=user, stdout=subprocess.DEVNULL, stderr=open(folder / "server.log", "w"),
+        user=user, stdout=subprocess.DEVNULL, stderr=(log := open(folder / "server.log", "w")),
     )
     figures: dict[str, list[float]] = {name: [] for name in SCRIPTS}
     parts: dict[str, dict[str, float]] = {}
@@ -226,6 +226,7 @@ def measure(repeats: int, tolerance: float) -> None:
     finally:
         postmaster.terminate()
         postmaster.wait(timeout=120)
+        log.close()
     per_payment = {name: agreed(name, figures[name], tolerance) for name in SCRIPTS}
     print("\nthe server's instructions per new payment (callgrind, one backend, windows of 10 and 110)")
     for name in SCRIPTS:
