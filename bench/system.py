@@ -26,7 +26,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -259,12 +261,33 @@ SETTINGS[WEBHOOKS] = SETTINGS[PHASED]
 
 @contextmanager
 def running(services: list[Service]) -> Iterator[list[Service]]:
-    """Start `services` in order; stop them all, in reverse, however the block ends."""
-    with System() as system:
-        for service in services:
-            with console.status(f"starting {service.name}"):
-                system.spawn(service)
-        yield services
+    """Start `services` in order; stop them all, in reverse, however the block ends.
+
+    A SIGTERM to the bench (`kill`, a timeout's) ends the block as an error
+    would, so they are stopped then too: by default it would end the bench at
+    once, and leave its APIs and fakes running with nobody to stop them.
+    During the stopping, another SIGTERM is ignored, so that it cannot cut the
+    stopping short.
+    """
+    main = threading.current_thread() is threading.main_thread()  # only there can a handler be set
+    previous = signal.signal(signal.SIGTERM, _ended_by_sigterm) if main else None
+    try:
+        with System() as system:
+            try:
+                for service in services:
+                    with console.status(f"starting {service.name}"):
+                        system.spawn(service)
+                yield services
+            finally:
+                if main:
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _ended_by_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def fakes(rails_url: str) -> list[Service]:
