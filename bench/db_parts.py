@@ -77,7 +77,8 @@ ways: payments/s (pgbench's transactions/s: one transaction is one
 payment's statements, each committed on its own as the service commits
 them), the PostgreSQL server's CPU per payment (all its processes:
 backends, WAL writer, checkpointer, autovacuum; pgbench's own CPU is not
-in it), and the bytes of WAL the server wrote per payment (every
+in it), with the part of it spent in the kernel (sockets, the WAL's writes
+and flushes, backends waiting on and waking each other), and the bytes of WAL the server wrote per payment (every
 database's: a run that overlaps the server's own work, a checkpoint's
 whole pages or autovacuum, writes more, so this figure jumps between
 runs too; bench/explain.py counts each statement's WAL exactly). The CPU
@@ -132,6 +133,7 @@ class Variant:
     twin: bool = False
     rates: list[float] = field(default_factory=list)
     cpu_ms: list[float] = field(default_factory=list)
+    kernel_ms: list[float] = field(default_factory=list)  # the part of cpu_ms spent in the kernel
     wal_bytes: list[float] = field(default_factory=list)
 
 
@@ -375,13 +377,17 @@ def write_scripts(api_key: str) -> tuple[dict[str, Path], list[str]]:
     return files, issuers
 
 
-def server_cpu(postmaster: psutil.Process, processes: int) -> float:
-    """CPU seconds of the server so far: the postmaster, its live children and those it has reaped.
+def server_cpu(postmaster: psutil.Process, processes: int) -> tuple[float, float]:
+    """CPU seconds of the server so far, in its own code and in the kernel's (user, system): the postmaster,
+    its live children and those it has reaped.
 
     First waits until no more than `processes` children are left (the
     server's own, with no client connected): a backend that has exited but
     is not reaped yet is in neither count, and would be lost to the run it
-    served.
+    served. The kernel's share is the sockets, the WAL's writes and
+    flushes, and the waits and wake-ups between backends; the rest is
+    PostgreSQL's own work on the statements (what bench/server_instructions.py
+    counts, one backend at a time).
     """
     deadline = time.monotonic() + 30
     while len(postmaster.children()) > processes:
@@ -389,14 +395,14 @@ def server_cpu(postmaster: psutil.Process, processes: int) -> float:
             raise SystemExit("NO FIGURE: the server's backends did not end within 30 s of pgbench's")
         time.sleep(0.05)  # polling for the condition, not waiting a guess
     t = postmaster.cpu_times()
-    total = t.user + t.system + t.children_user + t.children_system
+    user, system = t.user + t.children_user, t.system + t.children_system
     for child in postmaster.children():
         try:
             c = child.cpu_times()
         except psutil.Error:
             continue  # ended just now: counted once the postmaster reaps it
-        total += c.user + c.system
-    return total
+        user, system = user + c.user, system + c.system
+    return user, system
 
 
 def pgbench(binary: str, url: str, script: Path, clients: int, seconds: float = 0, transactions: int = 0,
@@ -451,14 +457,16 @@ def main() -> None:
             # size of the other schemas', and a table's size moves its cost.
             asyncio.run(_sql(urls[v.database], FRESH, "CHECKPOINT"))
             lsn = asyncio.run(_wal_position(admin))
-            before = server_cpu(postmaster, own)
+            user, system = server_cpu(postmaster, own)
             rate, payments = pgbench(binary, urls[v.database], files[v.name], args.clients, args.seconds)
             v.rates.append(rate)
-            v.cpu_ms.append((server_cpu(postmaster, own) - before) * 1000 / payments)
+            after = server_cpu(postmaster, own)
+            v.cpu_ms.append((sum(after) - user - system) * 1000 / payments)
+            v.kernel_ms.append((after[1] - system) * 1000 / payments)
             v.wal_bytes.append(asyncio.run(_wal_since(admin, lsn)) / payments)
             print(f"round {n + 1} {v.name:>22}: {rate:7.1f} payments/s, server CPU {v.cpu_ms[-1]:.3f} ms "
-                  f"and {v.wal_bytes[-1]:,.0f} bytes of WAL a payment (load average {os.getloadavg()[0]:.1f})",
-                  flush=True)
+                  f"({v.kernel_ms[-1]:.3f} of it in the kernel) and {v.wal_bytes[-1]:,.0f} bytes of WAL a payment "
+                  f"(load average {os.getloadavg()[0]:.1f})", flush=True)
             return v.cpu_ms[-1]
 
         # Each variant runs right beside a run of `as is`, in turn first and
@@ -472,14 +480,14 @@ def main() -> None:
                 else:
                     cpu, as_is = run(v, n), run(base, n)
                 ratios[v.name].append(cpu / as_is)
-        print(f"\n{'variant':>22}  payments/s  WAL bytes a payment  server CPU ms a payment  "
+        print(f"\n{'variant':>22}  payments/s  WAL bytes a payment  server CPU ms a payment (in the kernel)  "
               f"÷ as is beside it (median of the rounds' ratios)")
         print(f"{base.name:>22}  {statistics.median(base.rates):10.1f}  {statistics.median(base.wal_bytes):19,.0f}  "
-              f"{statistics.median(base.cpu_ms):23.3f}")
+              f"{statistics.median(base.cpu_ms):23.3f} ({statistics.median(base.kernel_ms):.3f})")
         for v in others:
             r = ratios[v.name]
             print(f"{v.name:>22}  {statistics.median(v.rates):10.1f}  {statistics.median(v.wal_bytes):19,.0f}  "
-                  f"{statistics.median(v.cpu_ms):23.3f}  "
+                  f"{statistics.median(v.cpu_ms):23.3f} ({statistics.median(v.kernel_ms):.3f})  "
                   f"{statistics.median(r):.3f} (rounds {', '.join(f'{x:.3f}' for x in r)})")
     finally:
         for url in urls.values():

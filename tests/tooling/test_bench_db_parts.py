@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import asyncpg
+import psutil
 import pytest
 
 from bench import ceiling, db_parts
@@ -149,3 +150,32 @@ def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str
     assert "claim_idempotency_key" not in scripts["claim: the insert alone"]
     assert all("claim_idempotency_key" in script for name, script in scripts.items()
                if name not in ("claim: the insert alone", "no key row", "naive twin"))
+
+
+def test_server_cpu_counts_the_servers_own_work_apart_from_the_kernels(server_url: str):
+    """A backend counting to ten million works in PostgreSQL's own code, hardly in the kernel. The
+    server's figures must hold that backend's CPU, each in its own part: with the two parts swapped, or the
+    live children left out, the server's own part would not grow by at least the backend's."""
+
+    async def count() -> tuple[tuple[float, float], tuple[float, float], tuple[float, float]]:
+        conn = await asyncpg.connect(server_url)
+        try:
+            backend = psutil.Process(await conn.fetchval("SELECT pg_backend_pid()"))
+            postmaster = backend.parent()
+            try:
+                before, mine = db_parts.server_cpu(postmaster, processes=10**6), backend.cpu_times()
+            except psutil.AccessDenied:
+                pytest.skip("the server's processes belong to a user whose CPU times this one cannot read")
+            # A loop in the server's own language: no rows kept, no temporary file written (the kernel's).
+            await conn.execute("DO $$ DECLARE i int := 0; BEGIN WHILE i < 10000000 LOOP i := i + 1; END LOOP; END $$")
+            after, done = db_parts.server_cpu(postmaster, processes=10**6), backend.cpu_times()
+            return before, after, (done.user - mine.user, done.system - mine.system)
+        finally:
+            await conn.close()
+
+    before, after, (user, system) = asyncio.run(count())
+    assert user > 0.5 and system < user / 5, (user, system)  # the count itself: its own work
+    tick = 0.011  # the CPU times count in hundredths of a second
+    assert after[0] - before[0] >= user - tick and after[1] - before[1] >= system - tick
+    # Other tests' backends share this server, but two CPUs leave them less than the count's own work.
+    assert after[1] - before[1] < after[0] - before[0]
