@@ -144,7 +144,7 @@ bench-explain: $(STAMP)
 # What each part of a new payment's SQL costs the database: pgbench of the recorded statements with one part
 # taken out at a time (the lookup, the key row, the event, day partitions, the keys into payment, the payment's
 # indexes but its primary key, its indexes before migration 0014), beside the naive twin's statements, and the
-# server's CPU and WAL per payment of each
+# server's CPU (and the part of it in the kernel) and WAL per payment of each
 # (docs/reference/performance.md#what-each-part-of-a-payment-costs-the-database).
 bench-db-parts: $(STAMP)
 	$(BIN)/python -m bench.db_parts
