@@ -152,10 +152,23 @@ def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str
                if name not in ("claim: the insert alone", "no key row", "naive twin"))
 
 
-def test_server_cpu_counts_the_servers_own_work_apart_from_the_kernels(server_url: str):
-    """A backend counting to ten million works in PostgreSQL's own code, hardly in the kernel. The
-    server's figures must hold that backend's CPU, each in its own part: with the two parts swapped, or the
-    live children left out, the server's own part would not grow by at least the backend's."""
+def test_server_cpu_adds_each_process_own_work_and_the_kernels_apart():
+    """The postmaster, what it has reaped, and each live child: their user and system times, each summed
+    alone. Bugs caught: the two swapped, a live child or the reaped ones left out."""
+    def times(user: float, system: float, children_user: float = 0.0, children_system: float = 0.0):
+        return SimpleNamespace(user=user, system=system, children_user=children_user,
+                               children_system=children_system)
+
+    backend = SimpleNamespace(cpu_times=lambda: times(2.0, 0.25))
+    postmaster = SimpleNamespace(cpu_times=lambda: times(0.5, 0.125, children_user=8.0, children_system=1.0),
+                                 children=lambda: [backend])
+
+    assert db_parts.server_cpu(postmaster, processes=1) == (10.5, 1.375)
+
+
+def test_server_cpu_holds_a_live_backends_work(server_url: str):
+    """On a real server: a backend's CPU, while it is still connected, is in the server's figures, each
+    part in its own (with the live children left out, the server's own part would not grow by the backend's)."""
 
     async def count() -> tuple[tuple[float, float], tuple[float, float], tuple[float, float]]:
         conn = await asyncpg.connect(server_url)
@@ -166,7 +179,7 @@ def test_server_cpu_counts_the_servers_own_work_apart_from_the_kernels(server_ur
                 before, mine = db_parts.server_cpu(postmaster, processes=10**6), backend.cpu_times()
             except psutil.AccessDenied:
                 pytest.skip("the server's processes belong to a user whose CPU times this one cannot read")
-            # A loop in the server's own language: no rows kept, no temporary file written (the kernel's).
+            # A loop in the server's own language: its own work, no rows kept, no file written.
             await conn.execute("DO $$ DECLARE i int := 0; BEGIN WHILE i < 10000000 LOOP i := i + 1; END LOOP; END $$")
             after, done = db_parts.server_cpu(postmaster, processes=10**6), backend.cpu_times()
             return before, after, (done.user - mine.user, done.system - mine.system)
@@ -174,8 +187,7 @@ def test_server_cpu_counts_the_servers_own_work_apart_from_the_kernels(server_ur
             await conn.close()
 
     before, after, (user, system) = asyncio.run(count())
-    assert user > 0.5 and system < user / 5, (user, system)  # the count itself: its own work
+    assert user > 0.3, (user, system)  # the loop ran in this backend
+    # Other tests' backends share the server and only add to its figures.
     tick = 0.011  # the CPU times count in hundredths of a second
     assert after[0] - before[0] >= user - tick and after[1] - before[1] >= system - tick
-    # Other tests' backends share this server, but two CPUs leave them less than the count's own work.
-    assert after[1] - before[1] < after[0] - before[0]
