@@ -24,6 +24,7 @@ at the same time.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import os
 import signal
@@ -118,7 +119,18 @@ def _other_sessions(server_url: str) -> int:
             await conn.close()
 
     try:
-        return asyncio.run(count())
+        asyncio.get_running_loop()
+    except RuntimeError:
+        run = asyncio.run  # the usual case: called from code that is not async
+    else:
+        # Called from inside an event loop (bench/db_rounds.py runs the whole
+        # server's block in one), where asyncio.run refuses to start another:
+        # the count gets a loop of its own, in a thread, and this waits for it.
+        def run(coroutine):
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                return pool.submit(asyncio.run, coroutine).result()
+    try:
+        return run(count())
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
         return 0
 

@@ -14,7 +14,7 @@ import os
 import asyncpg
 import pytest
 
-from bench import db_rounds
+from bench import db_rounds, system
 from devtools import embedded_db
 
 
@@ -64,3 +64,18 @@ def test_the_last_round_over_the_first_is_read_per_database_and_a_missing_figure
 
     assert ratios[service] == {"buffers_per_payment": 1.08, "cpu_ms_per_payment": 0.9}
     assert ratios[rails] == {"buffers_per_payment": None, "cpu_ms_per_payment": 1.1}
+
+
+def test_the_servers_other_sessions_are_counted_from_inside_an_event_loop(server_url: str):
+    """bench/db_rounds.py stops the embedded server from inside its event loop, after counting the sessions
+    of other databases (a test run's, which it must not break). Bug caught: that count called asyncio.run
+    inside the running loop, which refuses; the bench ended in a traceback and left the server running."""
+
+    async def from_a_loop() -> int:
+        conn = await asyncpg.connect(server_url)  # a session of a database that is not the bench's
+        try:
+            return system._other_sessions(server_url)
+        finally:
+            await conn.close()
+
+    assert asyncio.run(from_a_loop()) >= 1
