@@ -78,10 +78,10 @@ payment's statements, each committed on its own as the service commits
 them), the PostgreSQL server's CPU per payment (all its processes:
 backends, WAL writer, checkpointer, autovacuum; pgbench's own CPU is not
 in it), with the part of it spent in the kernel (sockets, the WAL's writes
-and flushes, backends waiting on and waking each other), and the bytes of WAL the server wrote per payment (every
-database's: a run that overlaps the server's own work, a checkpoint's
-whole pages or autovacuum, writes more, so this figure jumps between
-runs too; bench/explain.py counts each statement's WAL exactly). The CPU
+and flushes, backends waiting on and waking each other), and the bytes of
+WAL the server wrote per payment (every database's: a run that overlaps
+the server's own work, a checkpoint's whole pages or autovacuum, writes
+more, so this figure jumps between runs too; bench/explain.py counts each statement's WAL exactly). The CPU
 figure is the one to read: pgbench shares the two CPUs, so its rate says
 less. Every statement is prepared, on connections with the
 service's own settings (`plan_cache_mode`, as app/db/engine.py sets it).
