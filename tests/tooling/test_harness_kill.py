@@ -3,7 +3,8 @@
 `payments api --workers N` is a supervisor and N workers. Killed alone, the
 supervisor left its workers running after the test that started them, each
 serving the port and using CPU until someone found them (two after every
-`make test`).
+`make test`). Likewise a bench stopped by a SIGTERM stops the services it
+started (bench/system.py: `running`), instead of leaving them to run on.
 """
 
 from __future__ import annotations
