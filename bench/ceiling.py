@@ -78,9 +78,11 @@ VARYING = {
     "key": _K,
     "reference": f"('pgbench-' || {_K})",
     "payment_id": f"CAST(md5('pgbench-' || {_K}) AS uuid)",
+    "id": f"CAST(md5('pgbench-' || {_K}) AS uuid)",  # the payment's, as Handler1 inserts it: payment_id
     "psp_charge_key": f"encode(sha256(convert_to({_K} || '/ext1', 'UTF8')), 'hex')",
     "transfer_key": f"encode(sha256(convert_to({_K} || '/ext2', 'UTF8')), 'hex')",
     "e2e": f"('E2E' || upper(md5({_K} || '/e2e')))",
+    "end_to_end_reference": f"('E2E' || upper(md5({_K} || '/e2e')))",  # as Handler1 inserts it: e2e
     "charge_id": f"('ch_' || {_K})",
     "transfer_id": f"('tr_' || {_K})",
 }

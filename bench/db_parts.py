@@ -191,7 +191,7 @@ def before_0014(script: str) -> str:
     head, parts = _statements(script)
     handler1, n = re.subn(r", end_to_end_reference\)", ")", parts[HANDLER1])
     assert n == 1, "HANDLER1 inserts no end-to-end reference"
-    e2e = re.escape(ceiling.VARYING["e2e"])
+    e2e = re.escape(ceiling.VARYING["end_to_end_reference"])
     handler1, n = re.subn(rf", {e2e}(\s+FROM fence)", r"\1", handler1)
     assert n == 1, "HANDLER1's end-to-end reference is not its last value"
     handler1, n = re.subn(r"WHERE holds_reference DO NOTHING", "WHERE status NOT IN ('declined', 'failed') DO NOTHING",

@@ -122,10 +122,10 @@ class Machine(Generic[S]):
     endpoint: str  # stored in every key row of this operation: renaming it needs a migration
     start: Start
     calls: Mapping[str, Call[S]]  # SENT recovery point -> the call made there
-    # The subject of a key row, for an owner that takes the operation over;
-    # and the subject from the row a phase's statement returns.
+    # The subject of a key row, for an owner that takes the operation over.
+    # (After a phase, the engine applies what its statement returned to the
+    # subject it had: app/machine/engine.py::changed.)
     load: Callable[[AsyncConnection, KeyRow], Awaitable[S]]
-    from_row: Callable[[Mapping[str, Any]], S]
     # What becomes of the subject when the operation is parked, and when it
     # is taken back from parking (both run in the same transaction as the
     # key row's change). By default it is left as it is.

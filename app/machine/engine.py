@@ -402,7 +402,7 @@ async def advance(
     """Run a phase's statement that moves the operation to SENT point `to`; LeaseLost if fenced off."""
     row = await fenced(conn, statement, op.lease, recovery_point=to, lease_seconds=lease_seconds, event=event,
                        **values)
-    return replace(op, recovery_point=to, subject=op.machine.from_row(row), resumed=False)
+    return replace(op, recovery_point=to, subject=changed(op.subject, row), resumed=False)
 
 
 async def finish(
@@ -412,7 +412,17 @@ async def finish(
     """Run a phase's statement that finishes the operation: its response stored, its event emitted."""
     row = await fenced(conn, statement, op.lease, recovery_point=FINISHED, response_code=status_code,
                        response_body=storable(body), event=event, event_type=event_type, **values)
-    return replace(op, recovery_point=FINISHED, subject=op.machine.from_row(row), response=(status_code, body))
+    return replace(op, recovery_point=FINISHED, subject=changed(op.subject, row), response=(status_code, body))
+
+
+def changed(subject: S, row: Mapping[str, Any]) -> S:
+    """The subject after a phase: as the owner held it, with the columns the phase's statement returned.
+
+    A statement returns what it changed (or its whole row, which is the
+    same thing said at more cost), and a subject changes only under its
+    operation's lease, so the rest is as the owner already holds it.
+    """
+    return replace(subject, **row)  # type: ignore[type-var]
 
 
 def storable(body: str) -> str:

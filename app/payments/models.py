@@ -133,9 +133,16 @@ class PaymentRequest(BaseModel):
         return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Payment:
-    """A row of the `payment` table."""
+    """A row of the `payment` table.
+
+    The fields without a default are what Handler1 writes and the two
+    timestamps the database sets then; every other field starts as the
+    table's default says and is filled in by a later phase. So Handler1 can
+    build the payment it created from what it wrote (app/payments/phases.py),
+    and each later phase replaces only the columns it changed.
+    """
 
     id: uuid.UUID
     client_id: int
@@ -150,16 +157,16 @@ class Payment:
     status: str
     end_to_end_reference: str | None
     psp_charge_key: str | None
-    psp_charge_id: str | None
-    decline_code: str | None
-    rail_transfer_key: str | None
-    rail_transfer_id: str | None
-    reject_reason: str | None
-    psp_refund_key: str | None
-    psp_refund_id: str | None
     created_at: datetime
     updated_at: datetime
-    payout_instructed_at: datetime | None
+    psp_charge_id: str | None = None
+    decline_code: str | None = None
+    rail_transfer_key: str | None = None
+    rail_transfer_id: str | None = None
+    reject_reason: str | None = None
+    psp_refund_key: str | None = None
+    psp_refund_id: str | None = None
+    payout_instructed_at: datetime | None = None
     return_id: str | None = None
     return_reason: str | None = None
     returned_at: datetime | None = None

@@ -55,7 +55,6 @@ PAYMENT: Machine[Payment] = Machine(
         ),
     },
     load=phases.load,
-    from_row=phases.from_row,
     on_park=phases.indeterminate,
     on_unpark=phases.reopened,
     log_fields=phases.log_fields,

@@ -393,7 +393,6 @@ RETURN_REFUND: Machine[Payment] = Machine(
         ),
     },
     load=_load,
-    from_row=lambda row: Payment(**row),
     log_fields=lambda payment: {"payment_id": str(payment.id)},
 )
 

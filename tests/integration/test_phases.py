@@ -25,7 +25,7 @@ from app.db.transaction import atomic, one_statement
 from app.idempotency.key_table import Lease, LeaseLost
 from app.machine import engine as machine_engine
 from app.machine.declare import Operation
-from app.payments import phases
+from app.payments import payment_table, phases
 from app.payments.machines import BY_ENDPOINT
 from app.payments.payment import PAYMENT
 from app.payments.models import PaymentRequest
@@ -119,6 +119,34 @@ async def test_the_owner_advances_and_its_posting_balances(engine, db, acme):
     assert row["recovery_point"] == "EXT2_SENT" and row["lease_token"] == op.lease.token
     legs = await db.fetch("SELECT debit_minor, credit_minor FROM ledger_entry WHERE payment_id = $1", op.subject.id)
     assert len(legs) == 3 and sum(r["debit_minor"] for r in legs) == sum(r["credit_minor"] for r in legs)
+
+
+@pytest.mark.parametrize(
+    "outcomes",
+    [
+        [Charge(id="ch_1", status="succeeded"), Transfer(id="tr_1", status="accepted")],
+        [Charge(id="ch_1", status="declined", decline_code="card_declined")],
+        [Charge(id="ch_1", status="succeeded"), Transfer(id="tr_1", status="rejected", reject_reason="account_closed"),
+         Refund(id="re_1", status="succeeded")],
+    ],
+    ids=["paid", "declined", "rejected-and-refunded"],
+)
+async def test_after_every_phase_the_payment_it_holds_is_the_payment_stored(engine, acme, outcomes):
+    # Bug caught: a phase's statement that changes a column without
+    # returning it (each returns only what it changed, and the engine applies
+    # that to the payment it holds), or Handler1 building its payment with a
+    # value other than the one the database stored or defaulted: the next
+    # call, the stored response and the event would then be made from a
+    # payment that is not the one in the table.
+    key = str(uuid.uuid4())
+    op = await new_operation(engine, acme, key)
+    record = {Charge: phases.record_charge, Transfer: phases.record_transfer, Refund: phases.record_refund}
+    for outcome in [None, *outcomes]:
+        if outcome is not None:
+            op = await one_statement(engine, record[type(outcome)], op, outcome, 30)
+        stored = await atomic(engine, payment_table.get, acme.id, op.subject.id)
+        assert op.subject == stored, (type(outcome).__name__, op.recovery_point)
+    assert op.recovery_point == "finished"
 
 
 async def test_a_paid_payments_two_updates_are_hot_and_write_no_index_entry(engine, acme):

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -141,10 +139,6 @@ async def load(conn: AsyncConnection, row: KeyRow) -> Batch:
     return Batch(**(await conn.execute(_BY_KEY, dict(client_id=row.client_id, key=row.key))).mappings().one())
 
 
-def from_row(row: Mapping[str, Any]) -> Batch:
-    return Batch(**row)
-
-
 BATCH: Machine[Batch] = Machine(
     name="payment batch",
     endpoint=ENDPOINT,
@@ -152,7 +146,6 @@ BATCH: Machine[Batch] = Machine(
                 leads_to=FINISHED, transaction=True),
     calls={},
     load=load,
-    from_row=from_row,
     log_fields=lambda batch: {"batch_id": str(batch.id)},
     # `finished` is left as it is: no phase follows the start, so the engine
     # never reports a batch upload finished (its start counts it, accepted).

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -268,10 +267,6 @@ async def load(conn: AsyncConnection, row: KeyRow) -> Refund:
         await conn.execute(_BY_KEY, dict(client_id=row.client_id, key=row.key, payment_id=row.payment_id))
     ).mappings().one()
     return Refund(**found)
-
-
-def from_row(row: Mapping[str, Any]) -> Refund:
-    return Refund(**row)
 
 
 async def still_pending(conn: AsyncConnection, op: Operation[Refund]) -> Refund:

@@ -40,7 +40,6 @@ REFUND: Machine[Refund] = Machine(
         ),
     },
     load=phases.load,
-    from_row=phases.from_row,
     on_park=phases.still_pending,
     log_fields=phases.log_fields,
     started=metrics.REFUNDS_STARTED,
