@@ -418,9 +418,10 @@ async def finish(
 def changed(subject: S, row: Mapping[str, Any]) -> S:
     """The subject after a phase: as the owner held it, with the columns the phase's statement returned.
 
-    A statement returns what it changed (or its whole row, which is the
-    same thing said at more cost), and a subject changes only under its
-    operation's lease, so the rest is as the owner already holds it.
+    A phase's statement returns every column it sets (or its whole row: the
+    same answer at more cost); the rest stay as the owner last read them.
+    So it must also return any column someone else may change while the
+    operation is owned (app/payments/phases.py says which, for a payment).
     """
     return replace(subject, **row)  # type: ignore[type-var]
 

@@ -9,9 +9,15 @@ commit; the engine makes the external calls between phases.
 Each statement returns only what the database decided: Handler1 the key
 row's lease and the payment's two timestamps, a later phase the columns its
 UPDATE set (and the two its ledger legs read). Everything else about the
-payment is what the phase already holds, since nothing but the lease's
-owner writes a payment on its way to a final status. Returning the whole
-row instead cost the database about a tenth of its work per payment (an
+payment is what the phase already holds. While a payment is processing,
+nothing but its lease's owner writes it. Once paid out, it is also
+written by its client refunds (each reserves part of `refunded_minor`, and
+gives it back if it fails), perhaps while a returned payout's
+compensation owns it; that compensation runs CHARGE_REFUNDED
+(app/payments/returns.py), which sets and returns `refunded_minor` and
+`updated_at` itself. The whole row would say the same at a cost: the
+database describes every column it returns, at every level of the
+statement, on every call, and the driver decodes them all (an
 optimisation: docs/reference/performance.md, "A phase returns what it
 changed").
 
