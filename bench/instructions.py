@@ -53,7 +53,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -84,7 +83,7 @@ from bench.system import (
     running,
 )
 from devtools import bodies, embedded_db
-from devtools.processes import NotHealthy, Process, free_port
+from devtools.processes import NotHealthy, free_port
 from devtools.system import System
 
 OUT = Path(os.environ.get("BENCH_CALLGRIND_DIR", RESULTS / "callgrind"))

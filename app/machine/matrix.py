@@ -27,7 +27,7 @@ from app.idempotency.key_table import KeyRow, LeaseLost
 from app.machine.crash import reached
 from app.machine.declare import Machine, Operation
 from app.machine.engine import Finished, Pending, drive, take_over
-from app.observability import logs, metrics
+from app.observability import logs
 from app.problems import IDEMPOTENCY_KEY_REUSED, KEY_TABLE_UNAVAILABLE, REQUEST_IN_PROGRESS, ProblemError
 from app.services import Services
 
