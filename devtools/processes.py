@@ -62,8 +62,28 @@ _handed_out: set[int] = set()
 
 
 def free_port() -> int:
-    """A loopback port nobody listens on right now, and never one this process was given before."""
-    while True:
+    """A loopback port nobody listens on right now, and never one this process was given before.
+
+    Taken, where the machine leaves room, from below the kernel's range of
+    ephemeral ports: the kernel gives the ports of that range to outgoing
+    connections (to PostgreSQL, to the fakes), and one could be given a port
+    between the moment it is found free here and the moment the child this
+    port is for binds it; the child then cannot start ("Address already in
+    use"). Below the range only a listener can take it. Each process walks a
+    block of its own there (a pytest-xdist worker's by its number), so two
+    test workers never hand out the same port either.
+    """
+    for port in _candidates():
+        if port in _handed_out:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue  # somebody listens there
+        _handed_out.add(port)
+        return port
+    while True:  # no room below the ephemeral range, or the block is used up: any port the kernel offers
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -72,6 +92,30 @@ def free_port() -> int:
             return port
 
 
+# The blocks free_port walks: _BLOCK ports each, from _LOWEST up to the
+# first ephemeral port. Block 0 is for processes that are not pytest-xdist
+# workers (the bench, `make run`, a test run without -n); each of those
+# starts at a place of its own in it, by its process id.
+_LOWEST, _BLOCK = 10000, 1000
+
+
+def _candidates() -> list[int]:
+    """This process's block below the ephemeral range, from its own starting place round to it; [] if no room."""
+    blocks = (_first_ephemeral_port() - _LOWEST) // _BLOCK
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    number = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
+    if number >= blocks:
+        return []
+    start = _LOWEST + number * _BLOCK
+    offset = 0 if number else os.getpid() % _BLOCK
+    return [start + (offset + i) % _BLOCK for i in range(_BLOCK)]
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _LOWEST  # not Linux, or not readable: no room known, so the kernel's offer
 def answers_health(client: httpx.Client, url: str) -> bool:
     try:
         return client.get(url + "/healthz").status_code == 200

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from devtools.processes import child_env
 from devtools.system import System
 from tests.conftest import TEST_SETTINGS, service_setting_names
@@ -92,5 +94,40 @@ def test_free_port_never_hands_out_the_same_port_twice_in_one_process(monkeypatc
             return ("127.0.0.1", self.port)
 
     monkeypatch.setattr(processes, "_handed_out", set())
+    monkeypatch.setattr(processes, "_candidates", lambda: [])  # no room below the ephemeral range
     monkeypatch.setattr(socket, "socket", Offer)
     assert [processes.free_port(), processes.free_port()] == [41001, 41002]
+
+
+def test_free_port_hands_out_ports_below_the_ephemeral_range_each_xdist_worker_its_own(monkeypatch):
+    # Bug caught: a port taken from the kernel's ephemeral range, which the
+    # kernel may give to an outgoing connection before the child binds it
+    # (an API once exited with "cannot serve metrics on ... Address already
+    # in use" that way), or two test workers walking the same ports.
+    from devtools import processes
+
+    first_ephemeral = processes._first_ephemeral_port()
+    if first_ephemeral - processes._LOWEST < 3 * processes._BLOCK:
+        pytest.fail(f"this machine's ephemeral range starts at {first_ephemeral}: no room below it to test")
+    monkeypatch.setattr(processes, "_handed_out", set())
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    gw0 = {processes.free_port() for _ in range(20)}
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    gw1 = {processes.free_port() for _ in range(20)}
+    assert len(gw0) == len(gw1) == 20 and not gw0 & gw1
+    assert all(port < first_ephemeral for port in gw0 | gw1)
+
+
+def test_free_port_skips_a_port_somebody_listens_on(monkeypatch):
+    import socket
+
+    from devtools import processes
+
+    monkeypatch.setattr(processes, "_handed_out", set())
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        taken = listener.getsockname()[1]
+        monkeypatch.setattr(processes, "_candidates", lambda: [taken, taken + 1])
+        port = processes.free_port()
+    assert port != taken
