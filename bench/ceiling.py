@@ -74,15 +74,17 @@ _PGBENCH_VARIABLE = re.compile(r":[A-Za-z_]")
 
 # Per-payment values, computed from the random integer :k.
 _K = "CAST(:k AS text)"
+_PAYMENT_ID = f"CAST(md5('pgbench-' || {_K}) AS uuid)"
+_E2E = f"('E2E' || upper(md5({_K} || '/e2e')))"
 VARYING = {
     "key": _K,
     "reference": f"('pgbench-' || {_K})",
-    "payment_id": f"CAST(md5('pgbench-' || {_K}) AS uuid)",
-    "id": f"CAST(md5('pgbench-' || {_K}) AS uuid)",  # the payment's, as Handler1 inserts it: payment_id
+    "payment_id": _PAYMENT_ID,
+    "id": _PAYMENT_ID,  # the same value, as Handler1 names the payment's column
     "psp_charge_key": f"encode(sha256(convert_to({_K} || '/ext1', 'UTF8')), 'hex')",
     "transfer_key": f"encode(sha256(convert_to({_K} || '/ext2', 'UTF8')), 'hex')",
-    "e2e": f"('E2E' || upper(md5({_K} || '/e2e')))",
-    "end_to_end_reference": f"('E2E' || upper(md5({_K} || '/e2e')))",  # as Handler1 inserts it: e2e
+    "e2e": _E2E,
+    "end_to_end_reference": _E2E,  # the same value, as Handler1 names the payment's column
     "charge_id": f"('ch_' || {_K})",
     "transfer_id": f"('tr_' || {_K})",
 }
