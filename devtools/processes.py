@@ -116,6 +116,8 @@ def _first_ephemeral_port() -> int:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return _LOWEST  # not Linux, or not readable: no room known, so the kernel's offer
+
+
 def answers_health(client: httpx.Client, url: str) -> bool:
     try:
         return client.get(url + "/healthz").status_code == 200
