@@ -1,7 +1,7 @@
 """Figures the machine's noise does not move: the app's instructions per payment, the database's cost per statement.
 
     .venv/bin/python -m bench.instructions [--low 10] [--high 110] [--no-replays] [--warmup 10] [--repeats 2]
-        [--tolerance 0.01] [--statements 200] [--jobs 4] [--skip-callgrind] [--show-sql]
+        [--tolerance 0.01] [--statements 200] [--jobs 4] [--skip-callgrind] [--show-sql] [--greenlets]
 
 Not on a request's path: a bench of its own, beside `make bench` (whose
 payments/s and CPU seconds move with whatever else the shared machine runs).
@@ -31,6 +31,14 @@ The app's instructions
     Every variant runs `repeats` times, and a figure is given only if its
     repeats agree within `tolerance`.
 
+The greenlets started per payment (--greenlets)
+    SQLAlchemy runs each of its awaits in a new greenlet, and on this
+    Python each greenlet maps a stack of its own for Python's frames as it
+    starts and unmaps it as it ends: system calls and page faults, which
+    callgrind does not count. So the same windows run once more, natively,
+    and count the greenlets started in each (greenlet.settrace: a Python call
+    on every switch, which would be in an instruction count).
+
 The database's cost per statement
     pg_stat_statements, on a PostgreSQL server of this bench's own (the
     embedded one, in a data directory of its own on a free port, started
@@ -57,6 +65,7 @@ import subprocess
 import sys
 import time
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -108,6 +117,8 @@ KEEP_ALIVE_SECONDS = 3600
 # need a Python whose symbols are not stripped (without them, no dumps, and the run says so).
 MARKERS = ("--zero-before=sys_getallocatedblocks", "--dump-after=gc_get_freeze_count")
 DUMPED_BY = "desc: Trigger: --dump-after=gc_get_freeze_count"
+# Where `drive` writes each window's count of greenlets started, when it is set (`greenlets_per_payment`).
+GREENLETS_OUT = "BENCH_GREENLETS_OUT"
 # The statements' table is wider than the bench's other tables: in a log, 150 columns.
 wide = Console(width=None if sys.stdout.isatty() else 150)
 
@@ -448,6 +459,7 @@ def drive(variant: str, warmup: int, plan: list[Window]) -> None:
     covers a second's payments; under valgrind's slowdown the clock would write once a payment)."""
     import gc
 
+    import greenlet
     import uvloop
 
     from app.config import Settings
@@ -493,15 +505,24 @@ def drive(variant: str, warmup: int, plan: list[Window]) -> None:
                 await payment()
             for i in range(warmup if variant == PHASED else 0):
                 await replay(i)
+            counted = os.environ.get(GREENLETS_OUT)  # natively only (`greenlets`): a Python call per switch
             for window in plan:
                 metrics.flush()
                 gc.collect()
                 gc.freeze()
+                started, seen = [0], weakref.WeakSet()
+                if counted:
+                    greenlet.settrace(lambda event, args: _count_start(started, seen, event, args))
                 sys.getallocatedblocks()  # MARKERS: callgrind zeroes its counts here
                 for i in range(window.requests):
                     await (payment() if window.kind == PAYMENTS else replay(i))
                 metrics.flush()
                 gc.get_freeze_count()  # MARKERS: and writes what it counted since, here
+                if counted:
+                    greenlet.settrace(None)
+                    with open(counted, "a") as out:
+                        out.write(json.dumps({"kind": window.kind, "requests": window.requests,
+                                              "greenlets": started[0]}) + "\n")
 
     try:
         uvloop.install()
@@ -509,6 +530,43 @@ def drive(variant: str, warmup: int, plan: list[Window]) -> None:
     finally:
         if made is not None:
             multiproc.remove(made)
+
+
+def _count_start(started: list[int], seen: weakref.WeakSet, event: str, args: tuple) -> None:
+    """greenlet.settrace's callback: one more greenlet started, on the first switch into each (the main
+    greenlet, which has no parent, is not one SQLAlchemy started)."""
+    target = args[1]
+    if event in ("switch", "throw") and target.parent is not None and target not in seen:
+        seen.add(target)
+        started[0] += 1
+
+
+def greenlets_per_payment(stack: Stack, variant: str, low: int, high: int, warmup: int) -> float:
+    """`variant`'s app run as under callgrind but natively, counting the greenlets started in each window: SQLAlchemy
+    starts one for each of its awaits, and each maps and unmaps a stack of its own for Python's frames (system
+    calls, which callgrind does not count). Per payment, by the difference of the two windows."""
+    out = RESULTS / f"greenlets-{variant}.jsonl"
+    out.unlink(missing_ok=True)
+    plan = [Window(PAYMENTS, low), Window(PAYMENTS, high)]
+    process = stack.system.api_process(f"greenlets-{variant}", command=COMMAND[variant], **SETTINGS[variant])
+    process.env["BENCH_API_KEY"] = stack.api_key
+    process.env[GREENLETS_OUT] = str(out)
+    process.argv = [sys.executable, "-m", "bench.instructions", "--drive", variant, str(warmup),
+                    ",".join(f"{w.kind}:{w.requests}" for w in plan)]
+    process.port = None  # not a server: it drives itself, and exits
+    process.log = LOGS / f"greenlets-{variant}.log"
+    process.log.unlink(missing_ok=True)
+    try:
+        process.start()
+        process.popen.wait(VALGRIND_STOP_SECONDS)
+    except (NotHealthy, subprocess.TimeoutExpired) as exc:
+        raise NoFigure(f"{variant}'s greenlets could not be counted ({exc}); see {process.log}") from None
+    finally:
+        process.stop()
+    windows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    if process.popen.returncode != 0 or len(windows) != len(plan):
+        raise NoFigure(f"{variant}'s greenlet count wrote {len(windows)} windows of {len(plan)}; see {process.log}")
+    return (windows[1]["greenlets"] - windows[0]["greenlets"]) / (high - low)
 
 
 async def asgi_post(app, path: str, headers: list[tuple[bytes, bytes]], body: bytes
@@ -670,9 +728,12 @@ def main(
     statements: int = typer.Option(200, min=0, help="Payments for pg_stat_statements; 0: skip it."),
     top: int = typer.Option(10, min=1, help="Statements shown, by total time."),
     variants: str = typer.Option(f"{PHASED},{NAIVE}", help="phased, naive or both."),
-    skip_callgrind: bool = typer.Option(False, "--skip-callgrind", help="Only the database's cost per statement."),
+    skip_callgrind: bool = typer.Option(False, "--skip-callgrind", help="No callgrind runs: only the database's cost "
+                                        "per statement (and --greenlets)."),
     show_sql: bool = typer.Option(False, "--show-sql", help="Print each shown statement's text."),
     jobs: int = typer.Option(1, min=1, help="Callgrind runs at a time (each is one process, one CPU)."),
+    greenlets: bool = typer.Option(False, "--greenlets", help="Also count the greenlets started per payment, "
+                                   "in a native run of each variant."),
 ) -> None:
     """The API's instructions per payment under callgrind, and the database's cost per statement."""
     chosen = [v.strip() for v in variants.split(",") if v.strip()]
@@ -693,6 +754,10 @@ def main(
                 if statements:
                     for variant in chosen:
                         statement_costs(stack, server_url, variant, statements, warmup, top, show_sql)
+                if greenlets:
+                    for variant in chosen:
+                        console.print(f"{variant}: {greenlets_per_payment(stack, variant, low, high, warmup):.2f} "
+                                      "greenlets started per payment")
                 if not skip_callgrind:
                     figures = instructions(stack, chosen, low, high, replays, repeats, warmup, jobs)
                     report(figures, chosen, low, high, tolerance)

@@ -80,6 +80,23 @@ async def fetch_all(
     return await _run(conn, clause, positional, params, one=False)
 
 
+async def driver_of(conn: AsyncConnection) -> asyncpg.Connection:
+    """The asyncpg connection under `conn`, without a hop into SQLAlchemy's greenlet where none is needed.
+
+    `get_raw_connection` always makes that hop, because an invalidated
+    connection must connect again on the way, which is I/O. A connection that
+    is checked out and valid holds its pooled connection as a plain attribute:
+    reading it does no I/O, so it is read here directly. Each hop starts a new
+    greenlet, which costs a system call to map the greenlet's own stack of
+    Python frames and one to unmap it (an optimisation:
+    docs/reference/performance.md#a-greenlet-per-await-2026-12-04).
+    """
+    sync = conn.sync_connection
+    if sync is not None and not sync.closed and not sync.invalidated:
+        return sync.connection.driver_connection
+    return (await conn.get_raw_connection()).driver_connection
+
+
 async def _run(conn: AsyncConnection, clause: TextClause, positional: Positional, params: Mapping[str, Any], *,
                one: bool) -> list[Mapping[str, Any]]:
     options = conn.sync_connection.get_execution_options()  # no I/O: the options it was given
@@ -90,7 +107,7 @@ async def _run(conn: AsyncConnection, clause: TextClause, positional: Positional
             return [] if row is None else [row]
         return list(result.all())
     sql, names = positional.sql, positional.names
-    driver = (await conn.get_raw_connection()).driver_connection
+    driver = await driver_of(conn)
     values = [params[name] for name in names]
     try:
         rows = [await driver.fetchrow(sql, *values)] if one else await driver.fetch(sql, *values)

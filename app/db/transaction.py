@@ -31,6 +31,8 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from app.db.driver import driver_of
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -91,7 +93,7 @@ async def _bounded(engine: AsyncEngine, conn: AsyncConnection) -> AsyncIterator[
     if seconds is None:
         yield
         return
-    driver = (await conn.get_raw_connection()).driver_connection
+    driver = await driver_of(conn)
 
     def drop() -> None:
         log.warning("a phase waited %s s at the database (DB_PHASE_TIMEOUT_SECONDS): its connection is dropped, "

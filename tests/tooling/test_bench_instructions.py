@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+import weakref
 
+import greenlet
 import pytest
 from sqlalchemy.sql.elements import TextClause
 
@@ -17,6 +19,7 @@ from bench.instructions import (
     Count,
     NoFigure,
     Window,
+    _count_start,
     agreed,
     callgrind_total,
     known_phases,
@@ -203,3 +206,22 @@ def test_the_dispatchers_statements_are_named_however_they_were_sent():
     # No two of its statements read alike once normalised, so none loses its name to another.
     texts = [v for v in vars(delivery).values() if isinstance(v, TextClause)]
     assert len(names) == len(texts) + 1  # and this bench's own poll
+
+
+def test_the_greenlet_count_counts_each_greenlet_once_as_it_starts_and_never_the_main_one():
+    started, seen = [0], weakref.WeakSet()
+
+    def hops_back_and_forth() -> None:
+        main.switch()  # back to the main greenlet, then resumed: the same greenlet, not a new one
+        main.switch()
+
+    main = greenlet.getcurrent()
+    previous = greenlet.settrace(lambda event, args: _count_start(started, seen, event, args))
+    try:
+        for _ in range(3):
+            worker = greenlet.greenlet(hops_back_and_forth)
+            while not worker.dead:
+                worker.switch()
+    finally:
+        greenlet.settrace(previous)
+    assert started[0] == 3
