@@ -157,6 +157,9 @@ def api(
 # one peer (MAX_CONNECTIONS_PER_PEER). The body's size: app/api/body_limit.py.
 TIMEOUT_KEEP_ALIVE = 5
 
+# uvicorn's factory in every process `serve` starts (app/fastpath/frozen_start.py).
+FROZEN_START = "app.fastpath.frozen_start:build"
+
 
 def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = True) -> None:
     """Serve the app that `factory` ("module:function") builds, with the settings and bounds of `payments api`.
@@ -194,7 +197,7 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
 
     import uvicorn
 
-    from app.fastpath import reuse_port
+    from app.fastpath import frozen_start, reuse_port
     from app.api.http_protocol import Bounds, BoundedHttpToolsProtocol
 
     # Said before anything can stall, so a person sees at once that it started
@@ -202,6 +205,10 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
     logs.configure(settings.log_format, settings.log_level)
     logging.getLogger("app.cli").info("serving %s on http://%s:%d with %d worker process(es)", factory, host, port, workers)
     bounds = Bounds(settings.body_timeout_seconds, settings.max_connections_per_peer, tuple(settings.trusted_proxies))
+    # Each worker process builds the app through app/fastpath/frozen_start.py,
+    # which calls this factory (named in the environment the workers inherit)
+    # and then sets what start-up made aside from the garbage collector.
+    os.environ[frozen_start.FACTORY] = factory
     # Each worker process calls the factory, so each builds its own engine
     # and HTTP client after the fork: nothing pooled is shared across processes.
     # On SIGTERM uvicorn stops accepting and gives requests in flight this long
@@ -227,9 +234,9 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
     )
     try:
         if spread:
-            _serve_port_per_process(factory, host, port, workers, options)
+            _serve_port_per_process(FROZEN_START, host, port, workers, options)
         else:
-            uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, **options)
+            uvicorn.run(FROZEN_START, factory=True, host=host, port=port, workers=workers, **options)
     finally:
         if stop_metrics is not None:
             stop_metrics()

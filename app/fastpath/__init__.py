@@ -20,11 +20,16 @@ statement is sent there: app/db/driver.py sends each phase's lone statement
 to asyncpg itself instead of through SQLAlchemy's execution (app/db/engine.py
 turns it on with REPLAY_SHORTCUT).
 
-One more is not on a request's path at all, and not switched by
-REPLAY_SHORTCUT: app/cli.py serves `payments api --workers N` with it, on Linux.
+Two more are not on a request's path at all, and not switched by
+REPLAY_SHORTCUT: app/cli.py::serve serves every process with them (the
+naive twin's too: they are how a process is served, not how a payment is
+made).
 
-- reuse_port.py: each worker process listens on a socket of its own on the
-  one port, so the kernel spreads the connections over the workers instead
-  of the first to wake taking them, and a worker over its share closes the
-  excess after an answer; no worker idles while another is the bottleneck.
+- reuse_port.py: with `--workers N`, on Linux, each worker process listens
+  on a socket of its own on the one port, so the kernel spreads the
+  connections over the workers instead of the first to wake taking them,
+  and a worker over its share closes the excess after an answer; no worker
+  idles while another is the bottleneck.
+- frozen_start.py: what a process builds at start (its modules, the app)
+  is frozen out of Python's cyclic garbage collector's walks.
 """
