@@ -12,9 +12,9 @@ mostly what start-up made: the imported modules, the app, its routes and
 models, which live as long as the process and never become garbage.
 `gc.freeze()` moves everything alive at that moment into a generation the
 collector never walks; what requests make afterwards is collected as
-before. The cost: an object alive at the freeze that later becomes garbage
-only through a reference cycle is never freed, which start-up's objects
-do not do. What it saves, measured:
+before. The cost: an object alive at the freeze and dropped later is freed
+only if no reference cycle holds it; what start-up makes is held for the
+process's life, so little of it is ever dropped. What it saves, measured:
 docs/reference/performance.md#pythons-cyclic-collector-set-aside-at-start.
 """
 
