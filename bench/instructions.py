@@ -310,6 +310,12 @@ def windows(variant: str, low: int, high: int, replays: bool) -> list[Window]:
     return [Window(kind, n) for kind in kinds for n in (low, high)]
 
 
+def drive_argv(variant: str, warmup: int, plan: list[Window]) -> list[str]:
+    """The command of this module's `--drive` for `variant`, its warm-up and its windows."""
+    return [sys.executable, "-m", "bench.instructions", "--drive", variant, str(warmup),
+            ",".join(f"{w.kind}:{w.requests}" for w in plan)]
+
+
 def count(stack: Stack, variant: str, plan: list[Window], warmup: int, tag: str) -> list[int]:
     """One run of `variant`'s app under callgrind (this module's `--drive`): started, warmed up, then every
     window of `plan` counted on its own; the instructions each window executed."""
@@ -323,8 +329,7 @@ def count(stack: Stack, variant: str, plan: list[Window], warmup: int, tag: str)
     process.env["PYTHONHASHSEED"] = "0"
     process.env["BENCH_API_KEY"] = stack.api_key
     process.argv = [require_valgrind(), "--tool=callgrind", f"--callgrind-out-file={out}", *MARKERS,
-                    sys.executable, "-m", "bench.instructions", "--drive", variant, str(warmup),
-                    ",".join(f"{w.kind}:{w.requests}" for w in plan)]
+                    *drive_argv(variant, warmup, plan)]
     process.port = None  # not a server: it drives itself, and exits
     process.log = LOGS / f"callgrind-{out.stem}.log"
     process.log.unlink(missing_ok=True)
@@ -551,8 +556,7 @@ def greenlets_per_payment(stack: Stack, variant: str, low: int, high: int, warmu
     process = stack.system.api_process(f"greenlets-{variant}", command=COMMAND[variant], **SETTINGS[variant])
     process.env["BENCH_API_KEY"] = stack.api_key
     process.env[GREENLETS_OUT] = str(out)
-    process.argv = [sys.executable, "-m", "bench.instructions", "--drive", variant, str(warmup),
-                    ",".join(f"{w.kind}:{w.requests}" for w in plan)]
+    process.argv = drive_argv(variant, warmup, plan)
     process.port = None  # not a server: it drives itself, and exits
     process.log = LOGS / f"greenlets-{variant}.log"
     process.log.unlink(missing_ok=True)
