@@ -205,11 +205,12 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
     logs.configure(settings.log_format, settings.log_level)
     logging.getLogger("app.cli").info("serving %s on http://%s:%d with %d worker process(es)", factory, host, port, workers)
     bounds = Bounds(settings.body_timeout_seconds, settings.max_connections_per_peer, tuple(settings.trusted_proxies))
-    # Each worker process builds the app through app/fastpath/frozen_start.py,
-    # which calls this factory (named in the environment the workers inherit)
-    # and then sets what start-up made aside from the garbage collector.
+    # uvicorn is handed frozen_start.build, which builds the app of `factory`
+    # and then freezes what start-up made out of the garbage collector. uvicorn
+    # imports its factory by name in each worker process, so `factory` reaches
+    # build through the environment, which the workers inherit.
     os.environ[frozen_start.FACTORY] = factory
-    # Each worker process calls the factory, so each builds its own engine
+    # Each worker process builds the app itself, so each builds its own engine
     # and HTTP client after the fork: nothing pooled is shared across processes.
     # On SIGTERM uvicorn stops accepting and gives requests in flight this long
     # to finish; then it cancels them, and the app releases their leases
