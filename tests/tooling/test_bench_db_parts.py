@@ -108,6 +108,12 @@ def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str
         written[v.name] = {t: after[t] - before[t] for t in TABLES if after[t] != before[t]}
         if v.name in ("as is", "no timeline", "no advance", "claim: the insert alone"):
             timelines[v.name] = _timelines(url, PAYMENTS)
+        if v.name == "as is":
+            # The first variant on the head's empty table: every version of its payments fits on one
+            # page, so whether an update is HOT depends on the schema alone. Later variants fill the
+            # page, and then an update stays HOT only if the page could be pruned first, which an
+            # autovacuum's pin or snapshot can put off for a moment (CI once saw 41 of 42).
+            head_hot = _updates(url, PAYMENTS * 2)
 
     ours = {"idempotency_key": 3, "payment": 3, "event": 3, "ledger_entry": 15}
     assert written == {
@@ -138,10 +144,9 @@ def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str
     last_day = "SELECT key_table_last_day() - key_table_day()"
     assert _value(databases["head"], last_day) == 1
     assert _value(databases["before 0015"], "SELECT CAST(key_table_last_day() = 'infinity' AS int)") == 1
-    # Every update of payment is HOT on the head's schema (seven variants ran
-    # on it, two updates a payment) and none on the schema before 0014.
-    head_updates = 7 * PAYMENTS * 2
-    assert _updates(databases["head"], head_updates) == (head_updates, head_updates)
+    # Every update of payment is HOT on the head's schema (two updates a payment)
+    # and none on the schema before 0014, where each update changes a column an index names.
+    assert head_hot == (PAYMENTS * 2, PAYMENTS * 2)
     assert _updates(databases["before 0014"], PAYMENTS * 2) == (PAYMENTS * 2, 0)
     scripts = {name: path.read_text() for name, path in files.items()}
     assert "JOIN idempotency_key" in scripts["as is"] and "-- 1. " not in scripts["no lookup"]
