@@ -54,7 +54,6 @@ calm run. docs/failover.md#the-soak has the figures.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os

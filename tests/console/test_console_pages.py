@@ -13,7 +13,7 @@ import pytest
 
 from devtools.processes import free_port
 from tests.console.conftest import OPERATOR_TOKEN
-from tests.support import charges, headers, key_row, payment_body
+from tests.support import charges, headers, payment_body
 
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
 

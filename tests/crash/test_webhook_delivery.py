@@ -16,7 +16,6 @@ import json
 import uuid
 from datetime import UTC, datetime, timedelta
 
-import httpx
 import pytest
 from standardwebhooks import Webhook
 

@@ -7,7 +7,6 @@ signature the receiver's copy of the library accepts.
 from __future__ import annotations
 
 import uuid
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
