@@ -5,8 +5,14 @@
 Starts the same system as `make bench` (its own databases, the fakes, one
 API), drives it with the bench's load generator, and meanwhile samples the
 API's Python stacks with py-spy (`record --format raw`, 100 Hz, busy threads
-only, so samples are CPU time). py-spy needs to attach to another process
-(root, or ptrace allowed). It then prints:
+only). py-spy needs to attach to another process (root, or ptrace allowed).
+A busy thread, to py-spy, is one the kernel says is running or ready to
+run: on a loaded machine the API also waits, ready, for a CPU, and those
+waits are sampled too, at whatever call the kernel took the CPU away
+(often a socket write, which wakes the process at the other end). So the
+shares below are of the time the API was running or ready to run, not of
+its CPU; the run prints both figures side by side, and `perf record -e
+cpu-clock -p <pid>` gives the CPU alone. It then prints:
 
 by layer
     the HTTP server and framework, validation, SQLAlchemy, asyncpg, the rail
@@ -34,9 +40,11 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from collections import Counter
 from datetime import UTC, datetime
 
+import psutil
 import typer
 from rich.table import Table
 
@@ -46,6 +54,21 @@ from bench.system import (
 )
 
 _FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
+
+
+RATE = 100  # py-spy's samples a second
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    """User and system CPU seconds of `process` and its children (an API's worker processes) so far."""
+    total = 0.0
+    for p in (process, *process.children(recursive=True)):
+        try:
+            times = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
 
 def package_of(path: str) -> str:
@@ -143,8 +166,20 @@ def summarise(raw: str) -> dict[str, list[tuple[str, float]]]:
     }
 
 
+def busy_and_cpu(samples: int, sampled: float, cpu_seconds: float, seconds: float) -> tuple[float, float]:
+    """The share of its `sampled` seconds py-spy counted busy (`samples` at RATE), and the share of `seconds`
+    (py-spy's run, start to exit) the sampled processes spent on a CPU (`cpu_seconds`). The first above the
+    second is time spent ready to run, waiting for a CPU."""
+    return samples / (RATE * sampled), cpu_seconds / seconds
+
+
 def print_summary(summary: dict[str, list[tuple[str, float]]], title: str) -> None:
     console.print(f"[bold]{title}[/]: {int(summary['samples'][0][1])} samples")
+    if "cpu" in summary:
+        sampled, seconds, cpu = (value for _, value in summary["cpu"])
+        busy, on_cpu = busy_and_cpu(int(summary["samples"][0][1]), sampled, cpu, seconds)
+        console.print(f"busy to py-spy {busy:.0%} of its {sampled:g} s; on a CPU {on_cpu:.0%} of py-spy's run "
+                      f"({cpu:.2f} s of CPU in {seconds:.2f} s): the gap is time spent ready to run, waiting for a CPU")
     for key, heading in (("self_by_layer", "by layer (the innermost frame of a layer's own code)"),
                          ("self_by_package", "by package, self"),
                          ("anywhere_by_package", "by package, anywhere on the stack"),
@@ -186,22 +221,28 @@ def main(
                     def drive(seconds: float):
                         return load.replays(paid, seconds) if replays else load.new_payments(seconds)
 
-                    argv = [py_spy, "record", "--format", "raw", "--rate", "100", "--nonblocking",
+                    argv = [py_spy, "record", "--format", "raw", "--rate", str(RATE), "--nonblocking",
                             "--duration", str(round(duration)), "--output", str(output), "--pid", str(api.pid)]
                     if workers > 1:
                         argv.append("--subprocesses")
+                    api_process = psutil.Process(api.pid)
+                    cpu_before, started = _cpu_seconds(api_process), time.monotonic()
                     spy = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.DEVNULL,
                                                                stderr=subprocess.PIPE)
-                    result = await drive(duration + 2)
+                    driving = asyncio.ensure_future(drive(duration + 2))  # on past py-spy's end
                     _, stderr = await spy.communicate()
+                    window = (time.monotonic() - started, _cpu_seconds(api_process) - cpu_before)
+                    result = await driving
                     if spy.returncode != 0:
                         console.print(f"[red]py-spy failed[/]: {stderr.decode()[-500:]}")
-                    return result.succeeded, spy.returncode or 0
+                    return result.succeeded, spy.returncode or 0, window
 
-            done, rc = asyncio.run(go())
+            done, rc, (seconds, cpu) = asyncio.run(go())
     if rc != 0 or not output.exists():
         raise typer.Exit(1)
-    summary = summarise(output.read_text())
+    summary = summarise(output.read_text()) | {
+        "cpu": [("sampled", float(round(duration))), ("seconds", round(seconds, 3)), ("cpu_seconds", round(cpu, 3))]
+    }
     what = f"{variant} API ({workers}w), {'replays' if replays else 'new payments'}"
     print_summary(summary, f"{what}: {done} answered in {duration + 2:g} s")
     output.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,6 +1,14 @@
-"""bench/profile.py's split of py-spy's samples by layer: each sample goes to the layer whose code it was in."""
+"""bench/profile.py's split of py-spy's samples by layer: each sample goes to the layer whose code it was in;
+and the CPU of the sampled processes beside the samples."""
 
-from bench.profile import layer_of, summarise
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from bench.profile import _cpu_seconds, busy_and_cpu, layer_of, summarise
 
 
 def test_a_sample_belongs_to_the_innermost_layer_on_its_stack_not_to_the_standard_library_it_ended_in():
@@ -28,3 +36,26 @@ def test_the_summary_gives_each_layer_its_share_of_all_samples():
     ])
     layers = dict(summarise(raw)["self_by_layer"])
     assert layers == {"asyncpg": 50.0, "validation (pydantic)": 30.0, "the rail clients (aiohttp)": 20.0}
+
+
+def test_the_cpu_beside_the_samples_counts_every_process_sampled():
+    """With --workers 2 py-spy samples uvicorn's worker processes, children of the one it is given. Bugs
+    caught: the children's CPU left out, user and system time not both counted, the rate not applied."""
+    burn = ("import resource, sys\n"
+            "while resource.getrusage(resource.RUSAGE_SELF).ru_utime < 0.3: pass\n"
+            "print('burned', flush=True)\n"
+            "sys.stdin.read()\n")  # alive until the test closes its stdin
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "burned\n"
+        mine = psutil.Process().cpu_times()
+        child_times = psutil.Process(child.pid).cpu_times()
+        total = _cpu_seconds(psutil.Process(os.getpid()))
+    finally:
+        child.communicate("")
+    assert child_times.user >= 0.3
+    assert total >= mine.user + mine.system + child_times.user + child_times.system
+
+
+def test_busy_to_py_spy_and_on_a_cpu_are_shares_of_their_own_windows():
+    assert busy_and_cpu(1265, 15.0, 9.75, 15.2) == (pytest.approx(1265 / 1500), pytest.approx(9.75 / 15.2))
