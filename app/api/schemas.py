@@ -30,7 +30,10 @@ class KeyView(BaseModel):
     payment_id: uuid.UUID | None
     attempts: int
     lease_held: bool = Field(description="Whether an attempt owns the operation right now.")
-    next_attempt_at: datetime = Field(description="When the recovery worker may next try it.")
+    next_attempt_at: datetime | None = Field(
+        description="When the recovery worker may next try it (a parked operation: its next re-probe); "
+        "null once it is finished, since nothing is left to try."
+    )
     parked: bool = Field(
         description="Given up after unknown outcomes (at once for a legacy rail): a person or "
         "reconciliation settles it; nobody resumes it blindly."
@@ -52,7 +55,7 @@ class KeyView(BaseModel):
             payment_id=row.payment_id,
             attempts=row.attempts,
             lease_held=row.lease_live,
-            next_attempt_at=row.next_attempt_at,
+            next_attempt_at=None if row.state == "finished" else row.next_attempt_at,
             parked=row.parked,
             last_error=row.last_error,
             response_code=row.response_code,

@@ -163,7 +163,7 @@ class Operation:
 
     row: OperationRow
     endpoint: str
-    next_attempt_at: datetime
+    next_attempt_at: datetime | None  # None once finished: the worker never tries it again
     response_code: int | None
     finished_at: datetime | None
     timeline: list[dict[str, Any]]
@@ -294,7 +294,7 @@ async def operation(conn: AsyncConnection, payment_id: uuid.UUID) -> Operation |
     return Operation(
         row=OperationRow(**{k: v for k, v in row.items() if k not in _OPERATION_FIELDS}),
         endpoint=row["endpoint"],
-        next_attempt_at=row["next_attempt_at"],
+        next_attempt_at=None if row["state"] == "finished" else row["next_attempt_at"],
         response_code=row["response_code"],
         finished_at=row["finished_at"],
         timeline=row["timeline"],

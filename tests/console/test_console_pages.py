@@ -11,6 +11,7 @@ import uuid
 import httpx
 import pytest
 
+from app.console.routes import _ts
 from devtools.processes import free_port
 from tests.console.conftest import OPERATOR_TOKEN
 from tests.support import charges, headers, payment_body
@@ -105,6 +106,16 @@ async def test_the_list_shows_each_operation_and_filters_by_state_client_and_par
 
     queue = (await http.get(console_api.url + "/console/parked", headers=OPERATOR)).text
     assert f"/console/payments/{parked.json()['id']}" in queue and f"/console/payments/{paid.json()['id']}" not in queue
+
+    # A parked operation's next attempt is its next re-probe; a finished one has none.
+    async def next_attempt(payment) -> str:
+        html = (await http.get(f"{console_api.url}/console/payments/{payment.json()['id']}", headers=OPERATOR)).text
+        return html.split('id="next-attempt">', 1)[1].split("<", 1)[0]
+
+    due = await db.fetchval("SELECT next_attempt_at FROM idempotency_key WHERE payment_id = $1",
+                            uuid.UUID(parked.json()["id"]))
+    assert await next_attempt(parked) == _ts(due)
+    assert await next_attempt(paid) == "-"
 
 
 async def test_the_operation_page_shows_the_timeline_the_balanced_ledger_and_the_rails_records(

@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 import uuid
+from datetime import datetime
 
 import httpx
 import pytest
@@ -499,6 +500,8 @@ async def test_an_unknown_outcome_answers_202_and_a_retry_completes_it_once(http
     assert row["state"] == "started" and row["recovery_point"] == "EXT1_SENT" and row["lease_token"] is None
     shown = (await http.get(stack.api + pending.headers["Location"], headers=acme.auth)).json()
     assert shown["status"] == "processing"
+    waiting = (await http.get(f"{stack.api}/v1/idempotency-keys/{key}", headers=acme.auth)).json()
+    assert datetime.fromisoformat(waiting["next_attempt_at"]) == row["next_attempt_at"], "the worker's next try"
 
     finished = await post(http, stack, acme, key, body)
 
@@ -516,6 +519,7 @@ async def test_the_key_endpoint_shows_the_state_machine_and_its_timeline(http, s
     view = (await http.get(f"{stack.api}/v1/idempotency-keys/{key}", headers=acme.auth)).json()
 
     assert view["state"] == "finished" and view["attempts"] == 1
+    assert view["next_attempt_at"] is None, "nothing is left to try"
     assert [e["recovery_point"] for e in view["timeline"]] == ["EXT1_SENT", "EXT2_SENT", "finished"]
 
 
