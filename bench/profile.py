@@ -44,7 +44,6 @@ import time
 from collections import Counter
 from datetime import UTC, datetime
 
-import psutil
 import typer
 from rich.table import Table
 
@@ -52,23 +51,12 @@ from bench.load import Load
 from bench.system import (
     BIN, NAIVE, PHASED, RESULTS, UNWATCHED, apis, console, database_server, fakes, prepare_databases, running,
 )
+from bench.watching import cpu_seconds
 
 _FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
 
 
 RATE = 100  # py-spy's samples a second
-
-
-def _cpu_seconds(process: psutil.Process) -> float:
-    """User and system CPU seconds of `process` and its children (an API's worker processes) so far."""
-    total = 0.0
-    for p in (process, *process.children(recursive=True)):
-        try:
-            times = p.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
 
 
 def package_of(path: str) -> str:
@@ -166,11 +154,11 @@ def summarise(raw: str) -> dict[str, list[tuple[str, float]]]:
     }
 
 
-def busy_and_cpu(samples: int, sampled: float, cpu_seconds: float, seconds: float) -> tuple[float, float]:
+def busy_and_cpu(samples: int, sampled: float, cpu: float, seconds: float) -> tuple[float, float]:
     """The share of its `sampled` seconds py-spy counted busy (`samples` at RATE), and the share of `seconds`
-    (py-spy's run, start to exit) the sampled processes spent on a CPU (`cpu_seconds`). The first above the
+    (py-spy's run, start to exit) the sampled processes spent on a CPU (`cpu`, in seconds). The first above the
     second is time spent ready to run, waiting for a CPU."""
-    return samples / (RATE * sampled), cpu_seconds / seconds
+    return samples / (RATE * sampled), cpu / seconds
 
 
 def print_summary(summary: dict[str, list[tuple[str, float]]], title: str) -> None:
@@ -225,13 +213,12 @@ def main(
                             "--duration", str(round(duration)), "--output", str(output), "--pid", str(api.pid)]
                     if workers > 1:
                         argv.append("--subprocesses")
-                    api_process = psutil.Process(api.pid)
-                    cpu_before, started = _cpu_seconds(api_process), time.monotonic()
+                    cpu_before, started = cpu_seconds(api), time.monotonic()  # with uvicorn's workers
                     spy = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.DEVNULL,
                                                                stderr=subprocess.PIPE)
                     driving = asyncio.ensure_future(drive(duration + 2))  # on past py-spy's end
                     _, stderr = await spy.communicate()
-                    window = (time.monotonic() - started, _cpu_seconds(api_process) - cpu_before)
+                    window = (time.monotonic() - started, cpu_seconds(api) - cpu_before)
                     result = await driving
                     if spy.returncode != 0:
                         console.print(f"[red]py-spy failed[/]: {stderr.decode()[-500:]}")

@@ -4,11 +4,14 @@ and the CPU of the sampled processes beside the samples."""
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import psutil
 import pytest
 
-from bench.profile import _cpu_seconds, busy_and_cpu, layer_of, summarise
+from bench.profile import busy_and_cpu, layer_of, summarise
+from bench.system import Service
+from bench.watching import cpu_seconds
 
 
 def test_a_sample_belongs_to_the_innermost_layer_on_its_stack_not_to_the_standard_library_it_ended_in():
@@ -50,7 +53,9 @@ def test_the_cpu_beside_the_samples_counts_every_process_sampled():
         assert child.stdout.readline() == "burned\n"
         mine = psutil.Process().cpu_times()
         child_times = psutil.Process(child.pid).cpu_times()
-        total = _cpu_seconds(psutil.Process(os.getpid()))
+        # What bench.profile reads for the API: its service's process tree (Service.tree reads only `pid`).
+        me = SimpleNamespace(pid=os.getpid())
+        total = cpu_seconds(SimpleNamespace(tree=lambda: Service.tree(me)))
     finally:
         child.communicate("")
     assert child_times.user >= 0.3
