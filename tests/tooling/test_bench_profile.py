@@ -43,7 +43,7 @@ def test_the_summary_gives_each_layer_its_share_of_all_samples():
 
 def test_the_cpu_beside_the_samples_counts_every_process_sampled():
     """With --workers 2 py-spy samples uvicorn's worker processes, children of the one it is given. Bugs
-    caught: the children's CPU left out, user and system time not both counted, the rate not applied."""
+    caught: the service's tree without its descendants (their CPU left out), user or system time left out."""
     burn = ("import resource, sys\n"
             "while resource.getrusage(resource.RUSAGE_SELF).ru_utime < 0.3: pass\n"
             "print('burned', flush=True)\n"
