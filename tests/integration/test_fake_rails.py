@@ -1009,13 +1009,22 @@ async def test_a_transfer_whose_caller_timed_out_or_lost_the_answer_is_on_the_st
 async def test_closing_a_day_waits_for_the_transfers_being_booked(rail, rails_db_url):
     # A booking in flight: the lock a transfer holds from reading the closed
     # days until it commits. The close must wait for it, or that transfer
-    # could land on the day after it was closed.
+    # could land on the day after it was closed. The close is seen waiting
+    # in pg_locks (an advisory lock of this database not granted), so a close
+    # that took no lock never shows up there and the wait below runs out.
+    waiting = ("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+               " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())")
     booking = await asyncpg.connect(asyncpg_dsn(rails_db_url))
     try:
         async with booking.transaction():
             await booking.execute(rail_module.BOOKING_LOCK.format("_shared"))
             closing = asyncio.create_task(close_day(rail, utc_today()))
-            await asyncio.sleep(0.3)
+            for _ in range(500):
+                if await booking.fetchval(waiting) == 1:
+                    break
+                await asyncio.sleep(0.01)  # polling pg_locks, not waiting a guess
+            else:
+                pytest.fail(f"the close never waited for the booking's lock (done: {closing.done()})")
             assert not closing.done()
         assert (await asyncio.wait_for(closing, 5)).status_code == 200
     finally:
