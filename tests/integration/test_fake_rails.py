@@ -1010,10 +1010,12 @@ async def test_closing_a_day_waits_for_the_transfers_being_booked(rail, rails_db
     # A booking in flight: the lock a transfer holds from reading the closed
     # days until it commits. The close must wait for it, or that transfer
     # could land on the day after it was closed. The close is seen waiting
-    # in pg_locks (an advisory lock of this database not granted), so a close
+    # in pg_locks (the booking lock of this database, asked for and not
+    # granted; a lock on a bigint shows its low 32 bits as objid), so a close
     # that took no lock never shows up there and the wait below runs out.
-    waiting = ("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-               " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())")
+    waiting = ("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1"
+               " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+               " AND objid::bigint = hashtext('fake_rail.closed_day')::bigint & 4294967295")
     booking = await asyncpg.connect(asyncpg_dsn(rails_db_url))
     try:
         async with booking.transaction():
