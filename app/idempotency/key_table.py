@@ -106,7 +106,15 @@ CLAIM_SQL = """
      WHERE claimed.lease_token IS NOT NULL
 """
 
-_LOAD = text(f"SELECT {_COLUMNS} FROM idempotency_key k WHERE k.client_id = :client_id AND k.key = :key")
+# A key's row wherever it was stored. Bounded as the caller's lookup below
+# is: no key row is stored on a day after tomorrow, so those days'
+# partitions are pruned when the statement starts (an optimisation:
+# migration 0015, and docs/reference/performance.md, "A new payment's looks
+# skip the days ahead").
+_LOAD = text(
+    f"SELECT {_COLUMNS} FROM idempotency_key k"
+    " WHERE k.client_id = :client_id AND k.key = :key AND k.stored_on <= key_table_last_day()"
+)
 
 # Who is asking, and what (if anything) they stored under this key, in one
 # read: the common retry, of a finished payment, is answered from it alone.

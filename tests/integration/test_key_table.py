@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from datetime import UTC, date, datetime, timedelta
 
 import asyncpg
@@ -32,11 +33,12 @@ from app import client_accounts
 
 from app.config import asyncpg_url
 from app.db.transaction import atomic, autocommit, one_statement
-from app.idempotency import partitions
+from app.idempotency import key_table, partitions
 from app.idempotency.key_table import CALLER_SQL
 from app.machine import engine as machine_engine
 from app.machine.declare import Operation
 from app.payments import phases
+from app.payments.batches import consumption
 from app.payments.payment import PAYMENT
 from app.payments.models import PaymentRequest
 from app.payments.submission import fingerprint
@@ -263,22 +265,66 @@ async def test_a_new_payments_looks_for_its_key_probe_no_partition_after_tomorro
         await conn.exec_driver_sql(CALLER_SQL, (client_accounts.hash_api_key(acme.api_key), key))
         assert await phases.handler1(conn, PAYMENT, client_id=acme.id, key=key, request_hash=fingerprint(request),
                                      request=request, lease_seconds=30) is not None
-        rows = await conn.execute(text(
-            "SELECT c.relname AS partition, pg_stat_get_xact_numscans(i.indexrelid) AS probes "
-            "FROM pg_inherits h JOIN pg_class c ON c.oid = h.inhrelid "
-            "JOIN pg_index i ON i.indrelid = c.oid AND i.indisprimary "
-            "WHERE h.inhparent = CAST('idempotency_key' AS regclass)"
-        ))
-        return {r.partition: r.probes for r in rows}
+        return await probes_by_partition(conn)
 
     probes = await atomic(engine, look_claim_and_count)
-    tomorrow = today() + timedelta(days=1)
-    later = {name: n for name, n in probes.items() if name > partitions.partition_name(tomorrow)
-             and name != "idempotency_key_legacy"}
+    later = days_after_tomorrow(probes)
     assert later and set(later.values()) == {0}, probes  # six days ahead, never probed
     # Today's and tomorrow's are probed by both looks (the legacy partition
     # reaches to the day after migration 0006 ran, so it may stand for them).
     assert sum(n for name, n in probes.items() if name not in later) >= 2, probes
+
+
+async def test_a_keys_load_and_a_batch_rows_link_probe_no_partition_after_tomorrows(engine, acme):
+    # Bug caught: key_table.load (every read of a stored key: a replay's, a
+    # takeover's, a batch row's) or a batch row's link to its payment
+    # probing the empty partitions of the days ahead, as the new payment's
+    # looks once did (the test above). One transaction: the counts are its own.
+    key = uuid.uuid4()  # a batch row's key
+    request = PaymentRequest.model_validate(payment_body())
+    batch = uuid.uuid4()
+
+    async def claim_load_link_and_count(conn):
+        claimed = await phases.handler1(conn, PAYMENT, client_id=acme.id, key=str(key),
+                                        request_hash=fingerprint(request), request=request, lease_seconds=30)
+        await conn.execute(text(
+            "INSERT INTO payment_batch (id, client_id, reference, idempotency_key, row_count)"
+            " VALUES (:batch, :client, 'probes', 'probes', 1)"
+        ), dict(batch=batch, client=acme.id))
+        await conn.execute(text(
+            "INSERT INTO payment_batch_row (batch_id, row_number, client_id, row_key, reference, value_date, request)"
+            " VALUES (:batch, 1, :client, :key, 'probes-1', current_date, '{}')"
+        ), dict(batch=batch, client=acme.id, key=key))
+        before = await probes_by_partition(conn)  # the claim's own look: the test above
+        stored = await key_table.load(conn, acme.id, str(key))
+        await consumption._link(conn, batch, 1)
+        linked = await conn.scalar(text("SELECT payment_id FROM payment_batch_row WHERE batch_id = :batch"),
+                                   dict(batch=batch))
+        assert stored.payment_id == claimed.subject.id == linked, "both found the key row"
+        after = await probes_by_partition(conn)
+        return {name: after[name] - before[name] for name in after}
+
+    probes = await atomic(engine, claim_load_link_and_count)
+    later = days_after_tomorrow(probes)
+    assert later and set(later.values()) == {0}, probes
+    assert sum(probes.values()) >= 2, probes  # the load's probe and the link's
+
+
+async def probes_by_partition(conn) -> dict[str, int]:
+    """Index scans of each key table partition's primary key so far in this transaction."""
+    rows = await conn.execute(text(
+        "SELECT c.relname AS partition, pg_stat_get_xact_numscans(i.indexrelid) AS probes "
+        "FROM pg_inherits h JOIN pg_class c ON c.oid = h.inhrelid "
+        "JOIN pg_index i ON i.indrelid = c.oid AND i.indisprimary "
+        "WHERE h.inhparent = CAST('idempotency_key' AS regclass)"
+    ))
+    return {r.partition: r.probes for r in rows}
+
+
+def days_after_tomorrow(probes: dict[str, int]) -> dict[str, int]:
+    tomorrow = today() + timedelta(days=1)
+    return {name: n for name, n in probes.items()
+            if name > partitions.partition_name(tomorrow) and name != "idempotency_key_legacy"}
 
 
 async def test_a_claim_on_a_day_without_a_partition_is_answered_503_and_stores_nothing(

@@ -58,12 +58,15 @@ _ROW = text("SELECT * FROM payment_batch_row WHERE batch_id = :batch_id AND row_
 
 # The row's link to its payment, from the key row the machine wrote: its own
 # row, never the batch's. Idempotent: a redelivery writes the same value.
+# The key's look skips the days after tomorrow, as app/idempotency/key_table.py's
+# looks do (an optimisation: migration 0015).
 _LINK = text(
     """
     UPDATE payment_batch_row r SET payment_id = k.payment_id
       FROM idempotency_key k
      WHERE r.batch_id = :batch_id AND r.row_number = :row_number
        AND k.client_id = r.client_id AND k.key = CAST(r.row_key AS text)
+       AND k.stored_on <= key_table_last_day()
     RETURNING r.payment_id
     """
 )
