@@ -276,8 +276,8 @@ async def test_a_new_payments_looks_for_its_key_probe_no_partition_after_tomorro
 
 
 async def test_a_keys_load_and_a_batch_rows_link_probe_no_partition_after_tomorrows(engine, acme):
-    # Bug caught: key_table.load (every read of a stored key: a replay's, a
-    # takeover's, a batch row's) or a batch row's link to its payment
+    # Bug caught: key_table.load (the key endpoint's read, the row read after
+    # a takeover, a batch row's) or a batch row's link to its payment
     # probing the empty partitions of the days ahead, as the new payment's
     # looks once did (the test above). One transaction: the counts are its own.
     key = uuid.uuid4()  # a batch row's key
