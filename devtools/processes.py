@@ -32,11 +32,20 @@ BIN = Path(sys.executable).parent
 
 # What a child may inherit from the caller: what it needs to run (find
 # programs, a home, a locale, a temporary directory, certificates) and
-# PYTHONPATH (`make mutants` points it at a mutated copy of the code). None of
-# the service's settings: those the harness sets itself.
+# PYTHONPATH (`make mutants` points it at a mutated copy of the code; unset,
+# it names this checkout: TREE below). None of the service's settings: those
+# the harness sets itself.
 INHERITED = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH",
              "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
 INHERITED_PREFIXES = ("LC_",)
+
+
+# The checkout these modules were imported from. The virtualenv's scripts
+# find `app` through the editable install, which names the checkout that ran
+# `make install`: run from another one (a worktree of an older commit, for a
+# before and after), the harness would start that checkout's code, not its
+# own. So a child's PYTHONPATH names this one unless the caller set it.
+TREE = Path(__file__).resolve().parents[1]
 
 
 def child_env(**settings: str) -> dict[str, str]:
@@ -45,6 +54,7 @@ def child_env(**settings: str) -> dict[str, str]:
         name: value for name, value in os.environ.items()
         if name in INHERITED or name.startswith(INHERITED_PREFIXES)
     }
+    inherited.setdefault("PYTHONPATH", str(TREE))
     return inherited | settings
 
 

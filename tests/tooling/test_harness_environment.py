@@ -9,9 +9,14 @@ passes on only what a program needs to run, plus the settings it chooses.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from devtools import processes
 from devtools.processes import child_env
 from devtools.system import System
 from tests.conftest import TEST_SETTINGS, service_setting_names
@@ -47,6 +52,27 @@ def test_an_api_started_by_the_harness_does_not_inherit_the_callers_settings(mon
     for env in (api.env, worker.env, psp.env):
         assert env["PYTHONPATH"] == "/somewhere/mutated"
         assert env["PATH"] == os.environ["PATH"]
+
+
+def test_a_child_runs_the_code_of_the_checkout_that_started_it(tmp_path):
+    # Bug caught: a harness run from another checkout (a worktree of an older
+    # commit, for a before and after) starting the services of the checkout
+    # the editable install names, so both sides measured the same code.
+    other = tmp_path / "checkout"
+    shutil.copytree(Path(processes.__file__).parent, other / "devtools",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (other / "app").mkdir()
+    (other / "app" / "__init__.py").write_text("")
+    start_a_child = (
+        "import subprocess, sys\n"
+        "from devtools.processes import child_env\n"
+        "subprocess.run([sys.executable, '-c', 'import app; print(app.__file__)'], env=child_env(), cwd='/',"
+        " check=True)\n"
+    )
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    ran = subprocess.run([sys.executable, "-c", start_a_child], cwd=other, env=env,
+                         capture_output=True, text=True, check=True)
+    assert ran.stdout.strip() == str(other / "app" / "__init__.py"), ran
 
 
 def test_the_explicit_environment_is_an_allow_list(monkeypatch):
