@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app import client_accounts
 from app.db.transaction import read
-from app.idempotency.key_table import CALLER_SQL, KeyRow
+from app.idempotency.key_table import CALLER_SQL, KeyRow, joined_key_row
 from app.services import Services
 
 
@@ -62,6 +62,4 @@ def caller_of(row: Mapping[str, Any] | None, key: str) -> PaymentCaller | None:
     """The caller a row of CALLER_SQL names, however it was read; None for no row (an unknown API key)."""
     if row is None:
         return None
-    columns = dict(row)
-    caller_id = columns.pop("caller_id")
-    return PaymentCaller(caller_id, key, None if columns["key"] is None else KeyRow(**columns))
+    return PaymentCaller(row["caller_id"], key, joined_key_row(row))

@@ -14,7 +14,8 @@ docs/request-path.md#the-fencing-condition explains the fence.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from datetime import date, datetime
 from typing import Any
 
@@ -63,7 +64,10 @@ class KeyRow:
     finished_at: datetime | None
 
 
-_COLUMNS = """
+# The key row's columns as every read selects them (the key table as `k`),
+# also for a read that joins the key row to something else: the caller's
+# lookup below, a batch row's read (app/payments/batches/consumption.py).
+KEY_COLUMNS = """
     k.client_id, k.key, k.endpoint, k.request_hash, k.state, k.recovery_point, k.payment_id,
     coalesce(k.lease_expires_at > now(), false) AS lease_live,
     greatest(extract(epoch FROM k.lease_expires_at - now()), 0)::float8 AS lease_seconds_left,
@@ -112,7 +116,7 @@ CLAIM_SQL = """
 # migration 0015, and docs/reference/performance.md, "A new payment's looks
 # skip the days ahead").
 _LOAD = text(
-    f"SELECT {_COLUMNS} FROM idempotency_key k"
+    f"SELECT {KEY_COLUMNS} FROM idempotency_key k"
     " WHERE k.client_id = :client_id AND k.key = :key AND k.stored_on <= key_table_last_day()"
 )
 
@@ -125,7 +129,7 @@ _LOAD = text(
 # 0015, and docs/reference/performance.md, "A new payment's looks skip the
 # days ahead").
 CALLER_SQL = f"""
-    SELECT c.id AS caller_id, {_COLUMNS}
+    SELECT c.id AS caller_id, {KEY_COLUMNS}
       FROM client c
       LEFT JOIN idempotency_key k ON k.client_id = c.id AND k.key = $2 AND k.stored_on <= key_table_last_day()
      WHERE c.api_key_hash = $1
@@ -325,6 +329,14 @@ _PARKED_DUE = text(
 async def load(conn: AsyncConnection, client_id: int, key: str) -> KeyRow | None:
     row = (await conn.execute(_LOAD, dict(client_id=client_id, key=key))).mappings().one_or_none()
     return None if row is None else KeyRow(**row)
+
+
+_KEY_FIELDS = tuple(f.name for f in fields(KeyRow))
+
+
+def joined_key_row(columns: Mapping[str, Any]) -> KeyRow | None:
+    """The key row among the columns of a read that LEFT JOINs it (KEY_COLUMNS); None where it joined none."""
+    return None if columns["key"] is None else KeyRow(**{name: columns[name] for name in _KEY_FIELDS})
 
 
 async def take_over(

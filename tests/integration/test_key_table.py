@@ -275,9 +275,9 @@ async def test_a_new_payments_looks_for_its_key_probe_no_partition_after_tomorro
     assert sum(n for name, n in probes.items() if name not in later) >= 2, probes
 
 
-async def test_a_keys_load_and_a_batch_rows_link_probe_no_partition_after_tomorrows(engine, acme):
+async def test_a_keys_load_and_a_batch_rows_read_and_link_probe_no_partition_after_tomorrows(engine, acme):
     # Bug caught: key_table.load (the key endpoint's read, the row read after
-    # a takeover, a batch row's) or a batch row's link to its payment
+    # a takeover), a batch row's read of its key or its link to its payment
     # probing the empty partitions of the days ahead, as the new payment's
     # looks once did (the test above). One transaction: the counts are its own.
     key = uuid.uuid4()  # a batch row's key
@@ -297,17 +297,18 @@ async def test_a_keys_load_and_a_batch_rows_link_probe_no_partition_after_tomorr
         ), dict(batch=batch, client=acme.id, key=key))
         before = await probes_by_partition(conn)  # the claim's own look: the test above
         stored = await key_table.load(conn, acme.id, str(key))
+        row = await consumption._fetch(conn, batch, 1)
         await consumption._link(conn, batch, 1)
         linked = await conn.scalar(text("SELECT payment_id FROM payment_batch_row WHERE batch_id = :batch"),
                                    dict(batch=batch))
-        assert stored.payment_id == claimed.subject.id == linked, "both found the key row"
+        assert stored.payment_id == row.stored.payment_id == claimed.subject.id == linked, "all found the key row"
         after = await probes_by_partition(conn)
         return {name: after[name] - before[name] for name in after}
 
     probes = await atomic(engine, claim_load_link_and_count)
     later = days_after_tomorrow(probes)
     assert later and set(later.values()) == {0}, probes
-    assert sum(probes.values()) >= 2, probes  # the load's probe and the link's
+    assert sum(probes.values()) >= 3, probes  # the load's probe, the row's read's and the link's
 
 
 async def probes_by_partition(conn) -> dict[str, int]:

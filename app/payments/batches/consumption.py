@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -54,7 +55,22 @@ class Verdict:
 
 ACK = Verdict("ack")
 
-_ROW = text("SELECT * FROM payment_batch_row WHERE batch_id = :batch_id AND row_number = :row_number")
+# The row and what its key already holds, in one read, as the API's lookup
+# reads the caller and the key together (an optimisation:
+# docs/reference/performance.md, "A batch row and its key in one read").
+# The key's look skips the days after tomorrow, as key_table's looks do
+# (migration 0015).
+_ROW = text(
+    f"""
+    SELECT r.client_id AS row_client_id, r.row_key, r.request, r.dead_lettered_at IS NOT NULL AS dead_lettered,
+           {key_table.KEY_COLUMNS}
+      FROM payment_batch_row r
+      LEFT JOIN idempotency_key k
+        ON k.client_id = r.client_id AND k.key = CAST(r.row_key AS text)
+       AND k.stored_on <= key_table_last_day()
+     WHERE r.batch_id = :batch_id AND r.row_number = :row_number
+    """
+)
 
 # The row's link to its payment, from the key row the machine wrote: its own
 # row, never the batch's. Idempotent: a redelivery writes the same value.
@@ -85,14 +101,12 @@ async def consume_row(
 ) -> Verdict:
     """Pay the row (or answer it from what its key already holds); what to tell the broker."""
     settings = services.settings
-    row = (await read(services.engine, _fetch, batch_id, row_number))
-    if row is None or row["dead_lettered_at"] is not None:
+    row = await read(services.engine, _fetch, batch_id, row_number)
+    if row is None or row.dead_lettered:
         return ACK  # nothing of ours to pay: never published by us, or a person's already
-    client_id, key = row["client_id"], str(row["row_key"])
-    stored = None
+    client_id, key, stored = row.client_id, row.key, row.stored
     try:
-        request = PaymentRequest.model_validate(row["request"])
-        stored = await read(services.engine, key_table.load, client_id, key)
+        request = PaymentRequest.model_validate(row.request)
         await submission.submit_payment(services, client_id, key, request, row=stored)
         await one_statement(services.engine, _link, batch_id, row_number)
         return ACK
@@ -124,8 +138,22 @@ async def consume_row(
     return Verdict("dead", reason=reason)
 
 
-async def _fetch(conn: AsyncConnection, batch_id: uuid.UUID, row_number: int):
-    return (await conn.execute(_ROW, dict(batch_id=batch_id, row_number=row_number))).mappings().one_or_none()
+class Row(NamedTuple):
+    """What paying a batch row starts from: the row, and its key's row if it has one."""
+
+    client_id: int
+    key: str  # the row's idempotency key
+    request: dict[str, Any]  # the payment, as a POST /v1/payments body
+    dead_lettered: bool
+    stored: key_table.KeyRow | None  # the key row: none before the row's first claim
+
+
+async def _fetch(conn: AsyncConnection, batch_id: uuid.UUID, row_number: int) -> Row | None:
+    found = (await conn.execute(_ROW, dict(batch_id=batch_id, row_number=row_number))).mappings().one_or_none()
+    if found is None:
+        return None
+    return Row(found["row_client_id"], str(found["row_key"]), found["request"], found["dead_lettered"],
+               key_table.joined_key_row(found))
 
 
 async def _link(conn: AsyncConnection, batch_id: uuid.UUID, row_number: int) -> None:
