@@ -145,7 +145,7 @@ class Row(NamedTuple):
     key: str  # the row's idempotency key
     request: dict[str, Any]  # the payment, as a POST /v1/payments body
     dead_lettered: bool
-    stored: key_table.KeyRow | None  # the key row: none before the row's first claim
+    stored: key_table.KeyRow | None  # the key row: none before the row's first claim, or once its key is reaped
 
 
 async def _fetch(conn: AsyncConnection, batch_id: uuid.UUID, row_number: int) -> Row | None:
