@@ -39,7 +39,8 @@ console = terminal()
 POINT = "webhook-after-delivery"
 # A claim lasts this long: the second worker may take over this soon after the crash.
 LEASE_SECONDS = "3"
-WORKER = {"WORKER_POLL_SECONDS": "0.2", "WEBHOOK_TIMEOUT_SECONDS": "2", "WEBHOOK_LEASE_SECONDS": LEASE_SECONDS}
+WORKER = {"WORKER_POLL_SECONDS": "0.2", "WEBHOOK_POLL_SECONDS": "0.2", "WEBHOOK_TIMEOUT_SECONDS": "2",
+          "WEBHOOK_LEASE_SECONDS": LEASE_SECONDS}
 
 
 def wait_for(what: str, condition, timeout: float = 30.0) -> None:

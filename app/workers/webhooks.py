@@ -5,10 +5,11 @@ Where it sits: after the commit. A phase wrote the event with the decision
 that sends it, in two loops over the steps of app/outbox/delivery.py.
 `first_attempts` leases the cursor and reads the events after it, POSTs
 them (no transaction held), and moves the cursor past them, writing each
-one's delivery row as its attempt left it. `retries` claims the delivery
-rows that are due (a failed first attempt's, one whose dispatcher died),
-POSTs, and records (fenced by each row's lease; `Recorder` puts every
-attempt that finished meanwhile into one statement). Up to
+one's delivery row as its attempt left it; once it has caught up, it rests
+`webhook_poll_seconds` before it reads again. `retries` claims the
+delivery rows that are due (a failed first attempt's, one whose dispatcher
+died), POSTs, and records (fenced by each row's lease; `Recorder` puts
+every attempt that finished meanwhile into one statement). Up to
 `webhook_concurrency` POSTs are in flight, each in a task of its own.
 Several workers may run both loops: the cursor's lease keeps each batch
 with one of them, the claim's FOR UPDATE SKIP LOCKED and the lease each
@@ -210,7 +211,7 @@ async def first_attempts(d: Dispatcher) -> None:
                                         lease_seconds=settings.webhook_lease_seconds, key=d.key)
             if batch is None:  # nothing new, or another dispatcher holds the cursor
                 failures = 0
-                await pause(d.stop, settings.worker_poll_seconds)
+                await pause(d.stop, settings.webhook_poll_seconds)
                 continue
             if batch.to_send:
                 reached(settings.payments_crash_at, "webhook-after-claim")
@@ -250,8 +251,9 @@ async def first_attempts(d: Dispatcher) -> None:
         for t, claimed in in_flight.items():
             d.start(_deliver_logged(d.services, d.http, d.recorder, claimed, d.policy, started=t))
         if not batch.full:
-            # Nothing more to read: rest until the next poll, or stop.
-            await pause(d.stop, settings.worker_poll_seconds)
+            # Caught up: rest until the next read, or stop. Under a steady
+            # stream this rest, not the POST, is most of a webhook's delay.
+            await pause(d.stop, settings.webhook_poll_seconds)
 
 
 async def retries(d: Dispatcher) -> None:

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.usefixtures("stack")
 # may take 1 s, a claim lasts 3 s, retries come 0.1-0.4 s apart.
 FAST = {
     "WORKER_POLL_SECONDS": "0.1",
+    "WEBHOOK_POLL_SECONDS": "0.1",
     "WEBHOOK_TIMEOUT_SECONDS": "1",
     "WEBHOOK_LEASE_SECONDS": "3",
     "WEBHOOK_BACKOFF_BASE_SECONDS": "0.1",
@@ -70,12 +71,12 @@ async def merchant_payment(db, payment_id) -> dict | None:
     return None if row is None else dict(row)
 
 
-async def in_state(db, event_id, state: str) -> None:
+async def in_state(db, event_id, state: str, timeout: float = 30.0) -> None:
     async def reached() -> bool:
         row = await delivery(db, event_id)
         return row is not None and row["state"] == state
 
-    await until(reached, f"delivery of {event_id} to be {state}")
+    await until(reached, f"delivery of {event_id} to be {state}", timeout)
 
 
 async def set_merchant_faults(http, merchant, *faults) -> None:
@@ -102,6 +103,20 @@ async def test_a_delivery_is_signed_posted_once_and_recorded(http, stack, db, sh
     [attempt] = await attempts(db, event_id)
     assert attempt["outcome"] == "delivered" and attempt["status_code"] == 200
     assert attempt["latency_ms"] > 0 and attempt["error_class"] is None and attempt["url"] == shop.webhook_url
+
+
+async def test_a_caught_up_dispatcher_reads_again_after_its_own_poll_not_the_sweeps(
+    http, stack, db, shop, merchant, processes
+):
+    # The recovery sweep rests a minute here. The cursor has its own rest
+    # (WEBHOOK_POLL_SECONDS); were it the sweep's, the second webhook would
+    # wait that minute behind the first one's read.
+    processes.worker(**{**FAST, "WORKER_POLL_SECONDS": "60"})
+    _, first = await pay(http, stack, shop, db)
+    await in_state(db, first, "delivered")  # read alone, so its batch was not full: the dispatcher rests
+    payment, second = await pay(http, stack, shop, db)
+    await in_state(db, second, "delivered", timeout=20)
+    await assert_applied_once(db, payment, second)
 
 
 @pytest.mark.parametrize("point", ["webhook-after-delivery", "webhook-after-claim"])
