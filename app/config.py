@@ -186,9 +186,9 @@ class Settings(BaseSettings):
     # Deliveries one worker has in flight at once.
     webhook_concurrency: int = Field(default=16, ge=1)
     # How long the dispatcher rests once it has read every event behind its
-    # cursor, before it reads again: the longest a new event waits to be
-    # read, so a webhook's first attempt leaves within this of its payment's
-    # commit (plus its POST). Shorter means more reads of an idle cursor.
+    # cursor, before it reads again: while it keeps up, a webhook's first
+    # attempt leaves within about this of its payment's commit (plus its
+    # POST). Shorter means more reads, each of fewer events.
     webhook_poll_seconds: float = Field(default=0.5, gt=0)
     # Payment batches over NATS JetStream (`payments consume`, docs/batches.md).
     # NATS_URL: the broker; `make run` and the tests start their own unless set.
