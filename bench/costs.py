@@ -20,6 +20,10 @@ writing transactions per payment (from the WAL)
     the webhook dispatcher's cursor, the scheduled jobs' runs) is not a
     payment's: it is counted apart, as the workers' writing transactions per
     payment, and the target judges the rest.
+    The same pass counts the bytes of records that carry a full-page image
+    (a page's first change after a checkpoint) and splits them by the
+    relation the image is of, an index apart from its table: which pages
+    a payment's images come from.
 
 xact_commit per payment (pg_stat_database)
     Every commit in the service's database, read-only ones included (the
@@ -48,6 +52,7 @@ import re
 import shutil
 import subprocess
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +90,8 @@ class WalCount:
     wal_bytes: int  # the service database's records and its transactions' commits
     fpi_bytes: int  # of which records carrying a full-page image (first change to a page after a checkpoint)
     wal_bytes_all: int  # everything in the window, the fakes and other databases included
+    # fpi_bytes by the relation each image is of ("payment", "payment_pkey"; a partition as its root)
+    fpi_by_relation: Counter[str] = field(default_factory=Counter)
 
     def to_json(self, operations: int) -> dict[str, Any]:
         return {
@@ -92,6 +99,7 @@ class WalCount:
             "by_tables": dict(self.by_tables.most_common()),
             "wal_bytes": self.wal_bytes,
             "fpi_bytes": self.fpi_bytes,
+            "fpi_by_relation": dict(self.fpi_by_relation.most_common()),
             "wal_bytes_all": self.wal_bytes_all,
             "operations": operations,
         }
@@ -100,6 +108,9 @@ class WalCount:
 # rmgr: Heap  len (rec/tot):  54/ 214, tx:  107608, lsn: 0/336258E8, prev 0/33625880, desc: INSERT off: 2, ...
 _RECORD = re.compile(r"^rmgr: (\S+)\s+len \(rec/tot\):\s*\d+/\s*(\d+), tx:\s*(\d+), lsn: \S+ prev \S+ desc: (\S+)")
 _REL = re.compile(r"rel (\d+)/(\d+)/(\d+)")
+# One block of a record, with its image: "blkref #0: rel 1663/16385/16434 blk 13 FPW", or of a fork other
+# than the main one, "rel 1663/16385/16442 fork fsm blk 4 FPW".
+_IMAGE = re.compile(r"rel \d+/(\d+)/(\d+)(?: fork (\w+))? blk \d+ FPW")
 
 
 class Wal:
@@ -117,7 +128,8 @@ class Wal:
         self.waldump: str | None = None
         self.timeline = 1
         self.database_oid = 0
-        self.tables: dict[int, str] = {}
+        self.tables: dict[int, str] = {}  # file number -> its table (an index's, a TOAST file's)
+        self.relations: dict[int, str] = {}  # file number -> its own relation (an index by its name)
         self.slot: str | None = None
 
     async def setup(self) -> None:
@@ -148,7 +160,7 @@ class Wal:
         try:
             rows = await conn.fetch(
                 """
-                SELECT pg_relation_filenode(c.oid)::bigint AS filenode,
+                SELECT pg_relation_filenode(c.oid)::bigint AS filenode, c.oid,
                        coalesce(owner.oid, c.oid) AS table_oid
                   FROM pg_class c
                   LEFT JOIN pg_index i ON i.indexrelid = c.oid
@@ -161,7 +173,8 @@ class Wal:
             names = dict(
                 await conn.fetch(
                     """
-                    -- A partition (the key table has one per day) counts as its table.
+                    -- A partition (the key table has one per day) counts as its table, a
+                    -- partition's index as the partitioned table's index.
                     SELECT c.oid, CASE WHEN n.nspname = 'public' THEN r.relname
                                        ELSE n.nspname || '.' || r.relname END
                       FROM pg_class c
@@ -175,6 +188,10 @@ class Wal:
             await conn.close()
         self.tables = {
             r["filenode"]: names.get(toast_owner.get(r["table_oid"], r["table_oid"]), str(r["filenode"])) for r in rows
+        }
+        self.relations = {
+            r["filenode"]: f"{self.tables[r['filenode']]} TOAST" if r["table_oid"] in toast_owner
+            else names.get(r["oid"], str(r["filenode"])) for r in rows
         }
 
     @property
@@ -216,39 +233,64 @@ class Wal:
         argv = [self.waldump, "--path", str(self.pg_wal), "--timeline", str(self.timeline),
                 "--start", start, "--end", end]
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1 << 20)
-        oid = str(self.database_oid)
-        tables_of: dict[str, set[str]] = defaultdict(set)  # xid -> tables of ours it wrote
-        bytes_of: Counter[str] = Counter()  # xid -> WAL bytes
-        fpi_of: Counter[str] = Counter()  # xid -> bytes of its records with a full-page image
-        committed: set[str] = set()
-        untransacted = untransacted_fpi = all_bytes = 0  # ours without an xid (pruning, hint-bit images)
         assert process.stdout is not None
-        for line in process.stdout:
-            m = _RECORD.match(line)
-            if m is None:
-                continue
-            rmgr, size, xid, desc = m.group(1), int(m.group(2)), m.group(3), m.group(4)
-            all_bytes += size
-            ours = [int(f) for _, db, f in _REL.findall(line) if db == oid]
-            image = size if " FPW" in line else 0
-            if xid == "0":
-                if ours:
-                    untransacted, untransacted_fpi = untransacted + size, untransacted_fpi + image
-                continue
-            bytes_of[xid] += size
-            fpi_of[xid] += image
-            for filenode in ours:
-                if filenode >= FIRST_USER_FILENODE:
-                    tables_of[xid].add(self.tables.get(filenode, f"file {filenode}"))
-            if rmgr == "Transaction" and desc.startswith("COMMIT"):
-                committed.add(xid)
+        counted = tally(process.stdout, self.database_oid, self.tables, self.relations)
         stderr = process.stderr.read() if process.stderr else ""
         if process.wait() != 0:
             return f"pg_waldump failed: {stderr.strip()[:300]}"
-        ours = [x for x in committed if tables_of.get(x)]
-        by_tables = Counter("+".join(sorted(tables_of[x])) for x in ours)
-        return WalCount(len(ours), by_tables, sum(bytes_of[x] for x in ours) + untransacted,
-                        sum(fpi_of[x] for x in ours) + untransacted_fpi, all_bytes)
+        return counted
+
+
+def _relation(filenode: int, fork: str, tables: dict[int, str], relations: dict[int, str]) -> str:
+    """A file's relation by name ("payment", "payment_pkey", "payment (fsm)"), else its number."""
+    name = relations.get(filenode) or tables.get(filenode) or f"file {filenode}"
+    return f"{name} ({fork})" if fork else name
+
+
+def tally(lines: Iterable[str], database_oid: int, tables: dict[int, str], relations: dict[int, str]) -> WalCount:
+    """Count pg_waldump's lines: the service database's writing transactions, their WAL, their page images.
+
+    `tables` names a file by its table (an index or a TOAST file by the
+    table it belongs to), `relations` by its own relation.
+    """
+    oid = str(database_oid)
+    tables_of: dict[str, set[str]] = defaultdict(set)  # xid -> tables of ours it wrote
+    bytes_of: Counter[str] = Counter()  # xid -> WAL bytes
+    images_of: dict[str, Counter[str]] = defaultdict(Counter)  # xid -> bytes with a page image, by relation
+    committed: set[str] = set()
+    untransacted = 0  # ours without an xid (pruning, hint-bit images)
+    untransacted_images: Counter[str] = Counter()
+    all_bytes = 0
+    for line in lines:
+        m = _RECORD.match(line)
+        if m is None:
+            continue
+        rmgr, size, xid, desc = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+        all_bytes += size
+        ours = [int(f) for _, db, f in _REL.findall(line) if db == oid]
+        # A record's bytes are mostly its images; one with several is split evenly between them.
+        imaged = [_relation(int(f), fork, tables, relations) for db, f, fork in _IMAGE.findall(line) if db == oid]
+        images: Counter[str] = Counter()
+        for relation in imaged:
+            images[relation] += size / len(imaged)
+        if xid == "0":
+            if ours:
+                untransacted += size
+                untransacted_images.update(images)
+            continue
+        bytes_of[xid] += size
+        images_of[xid].update(images)
+        for filenode in ours:
+            if filenode >= FIRST_USER_FILENODE:
+                tables_of[xid].add(tables.get(filenode, f"file {filenode}"))
+        if rmgr == "Transaction" and desc.startswith("COMMIT"):
+            committed.add(xid)
+    mine = [x for x in committed if tables_of.get(x)]
+    by_tables = Counter("+".join(sorted(tables_of[x])) for x in mine)
+    by_relation = sum((images_of[x] for x in mine), untransacted_images)
+    fpi_by_relation = Counter({r: round(b) for r, b in by_relation.items()})
+    return WalCount(len(mine), by_tables, sum(bytes_of[x] for x in mine) + untransacted,
+                    round(sum(by_relation.values())), all_bytes, fpi_by_relation)
 
 
 def _major_version(tool: Path) -> int | None:

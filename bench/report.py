@@ -74,6 +74,21 @@ def workers_own_writes(by_tables: dict[str, float]) -> float:
     return sum(count for tables, count in by_tables.items() if set(tables.split("+")) <= WORKERS_OWN)
 
 
+def _images_by_relation(walled: list[dict[str, Any]], operations: int) -> dict[str, float]:
+    """Page-image bytes per operation, by the relation each image is of, largest first."""
+    total: dict[str, float] = {}
+    for w in walled:
+        for relation, size in w.get("fpi_by_relation", {}).items():  # absent from runs before it was counted
+            total[relation] = total.get(relation, 0) + size
+    return {r: round(b / operations, 1) for r, b in sorted(total.items(), key=lambda kv: -kv[1])} if operations else {}
+
+
+def _largest_images(kind: dict[str, Any] | None) -> str:
+    """The three relations whose page images took the most WAL per payment, one per line."""
+    largest = list((kind or {}).get("fpi_bytes_by_relation", {}).items())[:3]
+    return "\n".join(f"{relation} {fmt(size, 0)}" for relation, size in largest) or "-"
+
+
 def summarize_kind(runs: list[dict[str, Any]], latency: dict[str, Any]) -> dict[str, Any]:
     """One variant (or the replays) at one worker count, over its rounds."""
     rates = [r["run"]["per_second"] for r in runs]
@@ -105,6 +120,7 @@ def summarize_kind(runs: list[dict[str, Any]], latency: dict[str, Any]) -> dict[
         if wal_n else {},
         "wal_bytes": _per(sum(w["wal_bytes"] for w in walled), wal_n) if complete else None,
         "fpi_bytes": _per(sum(w["fpi_bytes"] for w in walled), wal_n) if complete else None,
+        "fpi_bytes_by_relation": _images_by_relation(walled, wal_n) if complete else {},
         "wal_bytes_all": _per(sum(w["wal_bytes_all"] for w in walled), wal_n) if complete else None,
         "xact_commit": _per(sum(x["delta"] for x in xact), sum(x["operations"] for x in xact)),
         "cpu_ms": {role: _per(seconds, n, 1000) for role, seconds in cpu.items()},
@@ -319,6 +335,8 @@ def print_block(results: dict[str, Any], block: dict[str, Any]) -> None:
     table.add_row("WAL bytes per payment (of which page images)",
                   *[f"{fmt(k.get('wal_bytes'), 0)} ({fmt(k.get('fpi_bytes'), 0)})" if k else "-"
                     for k in (phased, naive)], "")
+    table.add_row("  page images' bytes per payment, the three largest relations",
+                  *[_largest_images(k) for k in (phased, naive)], "")
     table.add_row("xact_commit per payment (read-only too)", fmt((phased or {}).get("xact_commit"), 2),
                   fmt((naive or {}).get("xact_commit"), 2), "")
     _cpu_rows(table, [phased, naive], "payment")
