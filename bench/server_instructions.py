@@ -41,6 +41,13 @@ server's functions, per payment, the same difference of the two runs:
     stringToNode           every stored expression read back from its text
     plpgsql_call_handler   the claim's function (claim_idempotency_key)
     finish_xact_command    the commit
+    RI_FKey_check_ins      the foreign keys' checks (inside ExecutorFinish, or
+                           the commit's for a deferred one)
+    LockAcquireExtended    the locks taken: each table, partition and index a
+                           statement opens (a generic plan of the partitioned
+                           key table locks every partition, pruned or not)
+    ExecInitAppend         the scan of a partitioned table set up, its
+                           partitions pruned to those that can hold the row
 
 Needs valgrind (apt-get install valgrind) and callgrind_annotate beside it
 (without it, the totals only). About a minute.
@@ -73,7 +80,8 @@ WINDOWS = (10, 110)
 # checkpoint within a run. pg_stat_statements' WAL figures (bench/instructions.py) count the images.
 QUIET = (("autovacuum", "off"), ("full_page_writes", "off"), ("checkpoint_timeout", "1h"), ("max_wal_size", "10GB"))
 FUNCTIONS = ("PostgresMain", "ExecutorStart", "standard_ExecutorRun", "ExecutorFinish", "ExecConstraints",
-             "stringToNode", "plpgsql_call_handler", "finish_xact_command")
+             "stringToNode", "plpgsql_call_handler", "finish_xact_command", "RI_FKey_check_ins",
+             "LockAcquireExtended", "ExecInitAppend")
 _ANNOTATED = re.compile(r"^\s*([\d,]+) \([^)]*\)\s+\S*?:?([A-Za-z_][\w.]*)(?: \[|$)")
 
 
