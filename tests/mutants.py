@@ -309,8 +309,9 @@ MUTANTS = (
         (
             Edit(
                 "app/outbox/delivery.py",
-                "                 AND e.written_by < pg_snapshot_xmin(pg_current_snapshot())\n",
-                "                 -- MUTANT: the cursor reads whatever is committed\n",
+                "AND e.written_by < pg_snapshot_xmin(pg_current_snapshot())\n",
+                "-- MUTANT: the cursor reads whatever is committed\n",
+                count=2,  # the read's, and the lease's look for something to read
             ),
         ),
         ("tests/integration/test_webhook_cursor.py::test_the_cursor_never_moves_past_an_event_whose_transaction_is_still_open",),
@@ -336,8 +337,8 @@ MUTANTS = (
         (
             Edit(
                 "app/outbox/delivery.py",
-                "               d.event_id IS NOT NULL AS has_delivery\n",
-                "               false AS has_delivery  -- MUTANT: every event is taken to have no delivery row\n",
+                "               WHERE d.event_id = e.id AND w.client_id IS NOT NULL\n",
+                "               WHERE false  -- MUTANT: every event is taken to have no delivery row\n",
             ),
         ),
         ("tests/integration/test_webhook_cursor.py::"

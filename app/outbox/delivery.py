@@ -158,35 +158,43 @@ _TAKE = text(
     """
     WITH position AS (
         SELECT written_by, event_id FROM webhook_cursor
-    ), batch AS (
-        -- LATERAL, so that the position is a bound of the index scan, where
-        -- it starts; joined to it afterwards, it would filter every event.
-        SELECT e.*
-          FROM position, LATERAL (
-              SELECT e.written_by, e.id, e.client_id, e.type, e.data, e.created_at
-                FROM event e
-               WHERE e.written_by IS NOT NULL
-                 AND (e.written_by, e.id) > (position.written_by, position.event_id)
-                 AND e.written_by < pg_snapshot_xmin(pg_current_snapshot())
-               ORDER BY e.written_by, e.id
-               LIMIT :limit
-          ) e
     ), taken AS (
         UPDATE webhook_cursor c
            SET lease_token = gen_random_uuid(),
                lease_expires_at = now() + make_interval(secs => :lease_seconds)
           FROM position
-         WHERE EXISTS (SELECT FROM batch)
-           AND (c.lease_expires_at IS NULL OR c.lease_expires_at <= now())
+         WHERE (c.lease_expires_at IS NULL OR c.lease_expires_at <= now())
            AND (c.written_by, c.event_id) = (position.written_by, position.event_id)
+           -- Something to read: the first event the batch below reads. In
+           -- the index's order, with LIMIT 1, so that it is one step into
+           -- the index from the position (as an EXISTS, PostgreSQL may look
+           -- for it with a scan of the whole table).
+           AND (SELECT e.id
+                  FROM event e
+                 WHERE e.written_by IS NOT NULL
+                   AND (e.written_by, e.id) > (SELECT written_by, event_id FROM position)
+                   AND e.written_by < pg_snapshot_xmin(pg_current_snapshot())
+                 ORDER BY e.written_by, e.id
+                 LIMIT 1) IS NOT NULL
         RETURNING c.lease_token
-    ), target AS MATERIALIZED (
-        -- MATERIALIZED: PostgreSQL 15 cannot plan the count below over this
-        -- query inlined ("WindowFunc not found in subplan target lists").
-        SELECT batch.*, w.url, w.secret_sealed,
+    ), counted AS (
+        SELECT e.*, w.url, w.secret_sealed,
                CASE WHEN w.previous_secret_until > now() THEN w.previous_secret_sealed END AS previous_secret_sealed,
-               d.event_id IS NOT NULL AS has_delivery
-          FROM batch LEFT JOIN webhook_endpoint w ON w.client_id = batch.client_id
+               d.event_id IS NOT NULL AS has_delivery,
+               count(*) FILTER (WHERE w.url IS NOT NULL AND d.event_id IS NULL)
+                   OVER (ORDER BY e.written_by, e.id) AS sendable_so_far
+          FROM (
+              -- The position as a value, so that it is where the index scan
+              -- starts; joined to it, it would filter every event.
+              SELECT e.written_by, e.id, e.client_id, e.type, e.data, e.created_at
+                FROM event e
+               WHERE e.written_by IS NOT NULL
+                 AND (e.written_by, e.id) > (SELECT written_by, event_id FROM position)
+                 AND e.written_by < pg_snapshot_xmin(pg_current_snapshot())
+               ORDER BY e.written_by, e.id
+               LIMIT :limit
+          ) e
+          LEFT JOIN webhook_endpoint w ON w.client_id = e.client_id
           -- LATERAL with LIMIT, so that each event's delivery row is looked
           -- up by its key. As an EXISTS, PostgreSQL may plan one hashed scan
           -- of every delivery row instead (it did, with a read's plan made
@@ -194,24 +202,20 @@ _TAKE = text(
           -- Only for an event whose client has an endpoint: no other is sent.
           LEFT JOIN LATERAL (
               SELECT d.event_id FROM webhook_delivery d
-               WHERE d.event_id = batch.id AND w.client_id IS NOT NULL
+               WHERE d.event_id = e.id AND w.client_id IS NOT NULL
                LIMIT 1
           ) d ON true
-    ), counted AS (
-        -- An optimisation: only the events the batch passes over or sends
-        -- come back, those up to its :sendable-th webhook to send and the
-        -- ones passed over after it; the rest read ahead are not decoded
-        -- (docs/reference/performance.md#a-webhook-post-without-aiohttp).
-        SELECT target.*,
-               count(*) FILTER (WHERE url IS NOT NULL AND NOT has_delivery)
-                   OVER (ORDER BY written_by, id) AS sendable_so_far,
-               count(*) OVER () AS events_read
-          FROM target
     )
+    -- An optimisation: only the events the batch passes over or sends come
+    -- back, those up to its :sendable-th webhook to send and the ones passed
+    -- over after it. The running count only grows, so PostgreSQL stops at
+    -- the first event past the last slot (the WindowAgg's "Run Condition"):
+    -- the events after it are neither looked up nor decoded, and the next
+    -- read starts with them
+    -- (docs/reference/performance.md#the-read-stops-at-its-last-slot-2026-12-05).
     SELECT taken.lease_token, counted.written_by, counted.id AS event_id, counted.client_id, counted.type,
            CASE WHEN counted.url IS NOT NULL THEN CAST(counted.data AS text) END AS data, counted.created_at,
-           counted.url, counted.secret_sealed, counted.previous_secret_sealed, counted.has_delivery,
-           counted.events_read
+           counted.url, counted.secret_sealed, counted.previous_secret_sealed, counted.has_delivery
       FROM taken, counted
      WHERE counted.sendable_so_far <= :sendable
      ORDER BY counted.written_by, counted.id
@@ -378,10 +382,12 @@ class Batch:
     full: bool  # more may be waiting right now: read again without a pause
 
 
-# How many events a read looks at for each webhook it may send: events of
+# How many events a read may look at for each webhook it may send: events of
 # clients without an endpoint are passed over, and should not leave a
-# batch's slots unused. Those it looked at past the batch's end stay in
-# the database (`_TAKE` does not return them) and are read again next time.
+# batch's slots unused. It stops at the first event it has no slot for, so
+# where most events are webhooks to send it looks at few more than its
+# slots; whatever it does not return stays in the database and is read
+# again next time.
 READ_AHEAD = 4
 
 
@@ -390,8 +396,9 @@ async def take(conn: AsyncConnection, *, limit: int, lease_seconds: float, key: 
 
     The batch ends before the first event it has no slot for (the
     statement returns no event after it), so that the cursor moves past
-    exactly the events passed over or sent. `full`: the read found as many
-    events as it looked for, or a slot for each webhook it sends.
+    exactly the events passed over or sent. `full`: a slot for each
+    webhook it sends, or as many events as it may look at (short of its
+    slots, the statement returns every event it read).
     """
     read = limit * READ_AHEAD
     rows = await driver.fetch_all(conn, _TAKE, _TAKE_POSITIONAL,
@@ -412,7 +419,7 @@ async def take(conn: AsyncConnection, *, limit: int, lease_seconds: float, key: 
                 previous_secret=r["previous_secret_sealed"] and key.open_cached(r["previous_secret_sealed"])))
         last = r
     return Batch(token, last["written_by"], last["event_id"], to_send,
-                 full=len(to_send) == limit or rows[0]["events_read"] == read)
+                 full=len(to_send) == limit or len(rows) == read)
 
 
 async def move(conn: AsyncConnection, batch: Batch, finished: list[Attempted], in_flight: list[Claimed], *,

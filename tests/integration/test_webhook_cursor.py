@@ -246,7 +246,41 @@ async def test_a_read_starts_at_the_cursor_and_reads_no_event_behind_it(db, engi
         await conn.rollback()
 
     assert batch is not None and [c.event_id for c in batch.to_send] == written[110:]
-    assert fetched == 10, "only the ten events after the cursor were read"
+    # The ten after the cursor, and the first of them once more by the
+    # lease's check that there is something to read.
+    assert fetched == 11, "only the ten events after the cursor were read"
+
+
+async def test_a_read_stops_at_the_first_event_it_has_no_slot_for(db, engine, endpoint, acme):
+    """Two slots may look at eight events (READ_AHEAD); where every event is a webhook to send, it reads four.
+
+    Bug caught: the read joins every event it may look at before its
+    running count cuts the batch (as it did until the count could stop the
+    scan), so that where most events are webhooks it looks up and discards
+    four times what it sends.
+    """
+    before = await batch_event(db, acme.id)
+    written = [await batch_event(db, acme.id) for _ in range(20)]
+    await db.execute("UPDATE webhook_cursor SET (written_by, event_id) = "
+                     "(SELECT written_by, id FROM event WHERE id = $1)", before)
+    await behind_every_running_transaction(db)
+
+    async with engine.connect() as conn:  # one transaction: its own counters are the read's
+        # As on a large table: the cursor's index, read in order.
+        await conn.execute(text("SET LOCAL enable_seqscan = off"))
+        await conn.execute(text("SET LOCAL enable_bitmapscan = off"))
+        batch = await delivery.take(conn, limit=2, lease_seconds=30, key=KEY)
+        fetched = await conn.scalar(text("SELECT pg_stat_get_xact_tuples_returned('event_written_by'::regclass) "
+                                         "+ pg_stat_get_xact_tuples_returned('event'::regclass)"))
+        await conn.rollback()
+
+    assert batch is not None and batch.full
+    assert [c.event_id for c in batch.to_send] == written[:2]
+    # The two sent, the third (no slot for it: the count stops there), one
+    # more that PostgreSQL's window reads ahead of the row it counts, and
+    # the first once more by the lease's check. Before the count could stop
+    # the scan, all eight.
+    assert fetched == 5, f"{fetched} events read for a batch of two"
 
 
 async def test_an_event_that_already_has_a_delivery_row_is_passed_over_not_sent_again(db, engine, endpoint, acme):
