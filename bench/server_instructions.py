@@ -46,8 +46,8 @@ server's functions, per payment, the same difference of the two runs:
     LockAcquireExtended    the locks taken: each table, partition and index a
                            statement opens (a generic plan of the partitioned
                            key table locks every partition, pruned or not)
-    ExecInitAppend         the scan of a partitioned table set up, its
-                           partitions pruned to those that can hold the row
+    ExecInitAppend         the scan of a partitioned table set up: a scan of
+                           each partition its pruning leaves
 
 Needs valgrind (apt-get install valgrind) and callgrind_annotate beside it
 (without it, the totals only). About a minute.
