@@ -67,6 +67,27 @@ async def batch_event(conn: asyncpg.Connection, client_id: int) -> uuid.UUID:
         "INSERT INTO event (client_id, type, data) VALUES ($1, 'batch.completed', '{}') RETURNING id", client_id)
 
 
+async def move_cursor_past(conn: asyncpg.Connection, event_id: uuid.UUID) -> None:
+    """The cursor where a dispatcher leaves it once it has sent `event_id`."""
+    await conn.execute("UPDATE webhook_cursor SET (written_by, event_id) = "
+                       "(SELECT written_by, id FROM event WHERE id = $1)", event_id)
+
+
+async def read_counted(engine, limit: int) -> tuple[delivery.Batch | None, int]:
+    """A read behind the cursor, rolled back: its batch, and how many events it fetched to make it."""
+    async with engine.connect() as conn:  # one transaction: its own counters are the read's
+        # A table this small may be read whole, which is right for it; the
+        # question is how the cursor's index is scanned, as on a large table.
+        await conn.execute(text("SET LOCAL enable_seqscan = off"))
+        await conn.execute(text("SET LOCAL enable_bitmapscan = off"))
+        batch = await delivery.take(conn, limit=limit, lease_seconds=30, key=KEY)
+        # Entries the scans of the cursor's index returned, and rows a sequential scan of `event` read.
+        fetched = await conn.scalar(text("SELECT pg_stat_get_xact_tuples_returned('event_written_by'::regclass) "
+                                         "+ pg_stat_get_xact_tuples_returned('event'::regclass)"))
+        await conn.rollback()
+    return batch, fetched
+
+
 async def test_a_payment_writes_its_event_only_and_the_cursor_sends_those_of_clients_with_an_endpoint(
     http, stack, db, engine, endpoint, acme, globex
 ):
@@ -210,8 +231,7 @@ async def test_a_read_that_waited_for_a_move_does_not_lease_the_batch_it_read_be
         moving = mover.transaction()
         await moving.start()
         # The other dispatcher's move, not committed yet: it holds the cursor's row.
-        await mover.execute("UPDATE webhook_cursor SET (written_by, event_id) = "
-                            "(SELECT written_by, id FROM event WHERE id = $1)", sent)
+        await move_cursor_past(mover, sent)
         reading = asyncio.create_task(take(engine))
 
         async def waiting() -> bool:
@@ -230,20 +250,10 @@ async def test_a_read_that_waited_for_a_move_does_not_lease_the_batch_it_read_be
 async def test_a_read_starts_at_the_cursor_and_reads_no_event_behind_it(db, engine, endpoint, acme):
     """The cursor is where the index scan starts: a read costs its batch, not the table's history."""
     written = [await batch_event(db, acme.id) for _ in range(120)]
-    await db.execute("UPDATE webhook_cursor SET (written_by, event_id) = "
-                     "(SELECT written_by, id FROM event WHERE id = $1)", written[109])
+    await move_cursor_past(db, written[109])
     await behind_every_running_transaction(db)
 
-    async with engine.connect() as conn:  # one transaction: its own counters are the read's
-        # A table this small may be read whole, which is right for it; the
-        # question is how the cursor's index is scanned, as on a large table.
-        await conn.execute(text("SET LOCAL enable_seqscan = off"))
-        await conn.execute(text("SET LOCAL enable_bitmapscan = off"))
-        batch = await delivery.take(conn, limit=50, lease_seconds=30, key=KEY)
-        # Entries the scans of the cursor's index returned, and rows a sequential scan of `event` read.
-        fetched = await conn.scalar(text("SELECT pg_stat_get_xact_tuples_returned('event_written_by'::regclass) "
-                                         "+ pg_stat_get_xact_tuples_returned('event'::regclass)"))
-        await conn.rollback()
+    batch, fetched = await read_counted(engine, limit=50)
 
     assert batch is not None and [c.event_id for c in batch.to_send] == written[110:]
     # The ten after the cursor, and the first of them once more by the
@@ -261,18 +271,10 @@ async def test_a_read_stops_at_the_first_event_it_has_no_slot_for(db, engine, en
     """
     before = await batch_event(db, acme.id)
     written = [await batch_event(db, acme.id) for _ in range(20)]
-    await db.execute("UPDATE webhook_cursor SET (written_by, event_id) = "
-                     "(SELECT written_by, id FROM event WHERE id = $1)", before)
+    await move_cursor_past(db, before)
     await behind_every_running_transaction(db)
 
-    async with engine.connect() as conn:  # one transaction: its own counters are the read's
-        # As on a large table: the cursor's index, read in order.
-        await conn.execute(text("SET LOCAL enable_seqscan = off"))
-        await conn.execute(text("SET LOCAL enable_bitmapscan = off"))
-        batch = await delivery.take(conn, limit=2, lease_seconds=30, key=KEY)
-        fetched = await conn.scalar(text("SELECT pg_stat_get_xact_tuples_returned('event_written_by'::regclass) "
-                                         "+ pg_stat_get_xact_tuples_returned('event'::regclass)"))
-        await conn.rollback()
+    batch, fetched = await read_counted(engine, limit=2)
 
     assert batch is not None and batch.full
     assert [c.event_id for c in batch.to_send] == written[:2]
@@ -315,8 +317,7 @@ async def test_a_read_looks_up_each_events_delivery_row_by_its_key_however_many_
     history = [await batch_event(db, acme.id) for _ in range(400)]
     await db.execute("INSERT INTO webhook_delivery (event_id, client_id, state, attempts, delivered_at) "
                      "SELECT id, client_id, 'delivered', 1, now() FROM event WHERE id = ANY($1::uuid[])", history)
-    await db.execute("UPDATE webhook_cursor SET (written_by, event_id) = "
-                     "(SELECT written_by, id FROM event WHERE id = $1)", history[-1])
+    await move_cursor_past(db, history[-1])
     new = [await batch_event(db, acme.id) for _ in range(10)]
     await db.execute("ANALYZE webhook_delivery")
     await behind_every_running_transaction(db)
