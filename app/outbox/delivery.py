@@ -155,7 +155,7 @@ _CLAIM = text(
 # delivery row yet, are sent (a row exists if a person asked for a delivery
 # first, or a service of the previous revision wrote one).
 _TAKE = text(
-    """
+    f"""
     WITH position AS (
         SELECT written_by, event_id FROM webhook_cursor
     ), taken AS (
@@ -171,8 +171,7 @@ _TAKE = text(
            -- for it with a scan of the whole table).
            AND (SELECT e.id
                   FROM event e
-                 WHERE e.written_by IS NOT NULL
-                   AND (e.written_by, e.id) > (SELECT written_by, event_id FROM position)
+                 WHERE {AFTER_THE_CURSOR}
                    AND e.written_by < pg_snapshot_xmin(pg_current_snapshot())
                  ORDER BY e.written_by, e.id
                  LIMIT 1) IS NOT NULL
@@ -184,12 +183,12 @@ _TAKE = text(
                count(*) FILTER (WHERE w.url IS NOT NULL AND d.event_id IS NULL)
                    OVER (ORDER BY e.written_by, e.id) AS sendable_so_far
           FROM (
-              -- The position as a value, so that it is where the index scan
-              -- starts; joined to it, it would filter every event.
+              -- The cursor's position as a value (AFTER_THE_CURSOR), so that
+              -- it is where the index scan starts; joined to it, it would
+              -- filter every event.
               SELECT e.written_by, e.id, e.client_id, e.type, e.data, e.created_at
                 FROM event e
-               WHERE e.written_by IS NOT NULL
-                 AND (e.written_by, e.id) > (SELECT written_by, event_id FROM position)
+               WHERE {AFTER_THE_CURSOR}
                  AND e.written_by < pg_snapshot_xmin(pg_current_snapshot())
                ORDER BY e.written_by, e.id
                LIMIT :limit
