@@ -156,6 +156,8 @@ _CLAIM = text(
 # first, or a service of the previous revision wrote one).
 _TAKE = text(
     f"""
+    -- The cursor's row is read here and in each AFTER_THE_CURSOR below: one
+    -- statement, one snapshot, so all of them see the same position.
     WITH position AS (
         SELECT written_by, event_id FROM webhook_cursor
     ), taken AS (
