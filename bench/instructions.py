@@ -199,6 +199,10 @@ def agreed(name: str, figures: list[float], tolerance: float) -> float:
     return sum(figures) / len(figures)
 
 
+# A comment's text is not the statement's: PostgreSQL may leave a leading one
+# out of what pg_stat_statements keeps, and an apostrophe in one ("the
+# cursor's row") would otherwise open a literal.
+_COMMENT = re.compile(r"--[^\n]*")
 _LITERAL = re.compile(r"'(?:[^']|'')*'")
 _PARAMETER = re.compile(r"(?<![:\w]):\w+|\$\d+")
 _NUMBER = re.compile(r"\b\d+\b")
@@ -208,11 +212,12 @@ _NULL = re.compile(r"\bnull\b", re.I)
 
 
 def normalise(sql: str) -> str:
-    """A statement's text with every parameter and constant as `?`, whitespace collapsed, in lower case.
+    """A statement's text without its comments, every parameter and constant as `?`, whitespace collapsed, lower case.
 
     pg_stat_statements shows `$1` where SQLAlchemy's text had `:name` (and
     where a constant was written inline); both become the same `?`.
     """
+    sql = _COMMENT.sub("", sql)
     sql = _LITERAL.sub("?", sql)
     sql = _PARAMETER.sub("?", sql)
     sql = _NUMBER.sub("?", sql)

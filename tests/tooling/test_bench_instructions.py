@@ -203,6 +203,11 @@ def test_the_dispatchers_statements_are_named_however_they_were_sent():
     shown = delivery._MOVE_POSITIONAL.sql.replace("lease_token = NULL", "lease_token = $15", 1)
     assert shown != delivery._MOVE_POSITIONAL.sql and phase_of(shown, names) == "delivery._MOVE"
     assert phase_of(as_the_server_shows_it(delivery._CLAIM.text), names) == "delivery._CLAIM"
+    # As PostgreSQL 18 keeps it: from its first word, so without the comment it opens with, whose
+    # apostrophe ("the cursor's row") must not pair with one in a later comment as a literal.
+    opening, _, rest = delivery._TAKE_POSITIONAL.sql.lstrip().partition("WITH")
+    assert opening.startswith("--") and "'" in opening
+    assert phase_of("WITH" + rest, names) == "delivery._TAKE"
     # No two of its statements read alike once normalised, so none loses its name to another.
     texts = [v for v in vars(delivery).values() if isinstance(v, TextClause)]
     assert len(names) == len(texts) + 1  # and this bench's own poll
