@@ -28,9 +28,9 @@ replaced by `PortPerProcess`, which is bound where it arrives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import sys
-import weakref
 
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.server import ServerState
@@ -100,11 +100,17 @@ def _family(host: str) -> socket.AddressFamily:
 
 # --- Keeping the shares even ---------------------------------------------------
 
-# How often each worker compares its share of the port's connections with
-# the others': often enough that a share set wrong at a round's start is put
-# right within its first seconds, rarely enough that reading the kernel's
-# table of sockets costs nothing that shows.
+# How often a worker compares its share of the port's connections with the
+# others' while connections come and go: a share set wrong when clients
+# connect is put right within seconds.
 CHECK_EVERY_SECONDS = 0.5
+# How often once its share is settled, with no connection arriving. Reading
+# the kernel's table of TCP sockets walks every bucket of its hash, busy or
+# not: milliseconds of CPU on a server-sized machine, whatever the port
+# holds. Rarely, then, and only for what no arrival shows: another worker's
+# clients gone, or a worker started or restarted, either of which can leave
+# this one over its share.
+SETTLED_CHECK_SECONDS = 5.0
 _LISTEN, _ESTABLISHED = "0A", "01"  # socket states as /proc/net/tcp writes them
 
 
@@ -155,9 +161,11 @@ class BalancedHttpToolsProtocol(BoundedHttpToolsProtocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
         super().connection_made(transport)
-        if self.server_state not in _checking:
-            _checking[self.server_state] = asyncio.get_running_loop().create_task(
-                _keep_share(self.server_state, self.config.port, self.config.workers))
+        share = _shares.get(self.server_state)
+        if share is None:
+            share = _shares[self.server_state] = Share(self.server_state, self.config.port, self.config.workers)
+            share.task = asyncio.get_running_loop().create_task(share.keep())
+        share.arrived.set()
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
@@ -165,14 +173,39 @@ class BalancedHttpToolsProtocol(BoundedHttpToolsProtocol):
             self.cycle.keep_alive = False  # answered with `Connection: close`, then closed
 
 
-# One check per worker process (per server: weakly keyed, gone with it).
-_checking: weakref.WeakKeyDictionary[ServerState, asyncio.Task[None]] = weakref.WeakKeyDictionary()
+class Share:
+    """One worker's share of the port's connections, kept: which of them leave, and when to look again."""
 
+    def __init__(self, state: ServerState, port: int, workers: int) -> None:
+        self.state, self.port, self.workers = state, port, workers
+        self.arrived = asyncio.Event()  # a connection was accepted since the last look
+        self.task: asyncio.Task[None] | None = None
 
-async def _keep_share(state: ServerState, port: int, workers: int) -> None:
-    """Every CHECK_EVERY_SECONDS: mark this worker's connections beyond its share to close after their next answer."""
-    while True:
-        await asyncio.sleep(CHECK_EVERY_SECONDS)
-        staying = [c for c in state.connections if not getattr(c, "leaving", False)]
-        for connection in staying[:excess(len(staying), *port_connections(port), workers)]:
+    def check(self) -> int:
+        """Mark this worker's connections beyond its share to close after their next answer; how many.
+
+        A worker holding one connection or none is never over its share, and
+        does not read the table: an idle API costs nothing here.
+        """
+        staying = [c for c in self.state.connections if not getattr(c, "leaving", False)]
+        if len(staying) <= 1:
+            return 0
+        over = excess(len(staying), *port_connections(self.port), self.workers)
+        for connection in staying[:over]:
             connection.leaving = True  # type: ignore[attr-defined]
+        return over
+
+    async def keep(self) -> None:
+        """Look every CHECK_EVERY_SECONDS while connections arrive or some were over; once settled, at the next
+        arrival or after SETTLED_CHECK_SECONDS."""
+        while True:
+            await asyncio.sleep(CHECK_EVERY_SECONDS)
+            self.arrived.clear()  # what arrived until now, this look counts
+            if self.check() == 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(SETTLED_CHECK_SECONDS):
+                        await self.arrived.wait()
+
+
+# One per server: a worker process serves one, for its whole life.
+_shares: dict[ServerState, Share] = {}
