@@ -105,11 +105,12 @@ def _family(host: str) -> socket.AddressFamily:
 # connect is put right within seconds.
 CHECK_EVERY_SECONDS = 0.5
 # How often once its share is settled, with no connection arriving. Reading
-# the kernel's table of TCP sockets walks every bucket of its hash, busy or
+# the kernel's table of TCP sockets walks every bucket of its hash, empty or
 # not: milliseconds of CPU on a server-sized machine, whatever the port
-# holds. Rarely, then, and only for what no arrival shows: another worker's
-# clients gone, or a worker started or restarted, either of which can leave
-# this one over its share.
+# holds (docs/reference/performance.md#the-shares-look-at-the-port-only-when-it-can-matter-2026-12-05).
+# Rarely, then, and only for what no arrival shows: another worker's clients
+# gone, or a worker started or restarted, either of which can leave this one
+# over its share.
 SETTLED_CHECK_SECONDS = 5.0
 _LISTEN, _ESTABLISHED = "0A", "01"  # socket states as /proc/net/tcp writes them
 
@@ -185,7 +186,7 @@ class Share:
         """Mark this worker's connections beyond its share to close after their next answer; how many.
 
         A worker holding one connection or none is never over its share, and
-        does not read the table: an idle API costs nothing here.
+        does not read the table: an API nobody is connected to costs nothing here.
         """
         staying = [c for c in self.state.connections if not getattr(c, "leaving", False)]
         if len(staying) <= 1:
