@@ -201,7 +201,8 @@ class Share:
         arrival or after SETTLED_CHECK_SECONDS."""
         while True:
             await asyncio.sleep(CHECK_EVERY_SECONDS)
-            self.arrived.clear()  # what arrived until now, this look counts
+            # Arrivals until now are in this look's count: only a later one ends the settled wait.
+            self.arrived.clear()
             if self.check() == 0:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(SETTLED_CHECK_SECONDS):
