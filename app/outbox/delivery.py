@@ -230,7 +230,8 @@ _TAKE = text(
 # reads the batch again). An attempt still in flight gets a pending row
 # leased to this dispatcher (its task records it with `record`, as a
 # retry's); one that finished, a row in its final state, or pending until
-# its retry is due.
+# its retry is due. The attempts come as one array of `webhook_answer` rows
+# (`_answer_rows`).
 _MOVE = text(
     """
     WITH moved AS (
@@ -244,11 +245,7 @@ _MOVE = text(
         RETURNING 1
     ), answer AS (
         SELECT a.*
-          FROM unnest(CAST(:event_ids AS uuid[]), CAST(:client_ids AS bigint[]), CAST(:urls AS text[]),
-                      CAST(:states AS text[]), CAST(:outcomes AS text[]), CAST(:retry_ins AS float8[]),
-                      CAST(:status_codes AS int[]), CAST(:latencies AS float8[]), CAST(:error_classes AS text[]),
-                      CAST(:errors AS text[]))
-               AS a(event_id, client_id, url, state, outcome, retry_in, status_code, latency_ms, error_class, error)
+          FROM unnest(CAST(:answers AS webhook_answer[])) AS a
          WHERE EXISTS (SELECT FROM moved)
     ), delivery AS (
         INSERT INTO webhook_delivery
@@ -258,7 +255,7 @@ _MOVE = text(
                -- In flight (no outcome yet): not due again until the lease
                -- runs out, exactly as a claim leaves a retry.
                now() + make_interval(secs => CASE WHEN a.outcome IS NULL THEN :lease_seconds ELSE a.retry_in END),
-               CASE WHEN a.outcome IS NULL THEN CAST(:token AS uuid) END,
+               CASE WHEN a.outcome IS NULL THEN a.lease_token END,
                CASE WHEN a.outcome IS NULL THEN now() + make_interval(secs => :lease_seconds) END,
                a.status_code, a.error, CASE WHEN a.state = 'delivered' THEN now() END
           FROM answer a
@@ -279,18 +276,14 @@ _MOVE = text(
 )
 
 # Every attempt that finished since the last record, in one statement
-# (app/workers/webhooks.py::Recorder): the arrays are zipped row by row,
-# and each row is fenced by its own lease token, exactly as if it were
-# recorded alone; a row whose lease was taken over writes nothing and is
-# missing from what the statement returns.
+# (app/workers/webhooks.py::Recorder), as one array of `webhook_answer`
+# rows (`_answer_rows`). Each row is fenced by its own lease token, exactly
+# as if it were recorded alone; a row whose lease was taken over writes
+# nothing and is missing from what the statement returns.
 _RECORD = text(
     """
     WITH answer AS (
-        SELECT *
-          FROM unnest(CAST(:event_ids AS uuid[]), CAST(:tokens AS uuid[]), CAST(:states AS text[]),
-                      CAST(:outcomes AS text[]), CAST(:retry_ins AS float8[]), CAST(:status_codes AS int[]),
-                      CAST(:latencies AS float8[]), CAST(:error_classes AS text[]), CAST(:errors AS text[]))
-               AS a(event_id, token, state, outcome, retry_in, status_code, latency_ms, error_class, error)
+        SELECT * FROM unnest(CAST(:answers AS webhook_answer[]))
     ), fence AS (
         UPDATE webhook_delivery d
            SET state = a.state,
@@ -302,7 +295,7 @@ _RECORD = text(
                delivered_at = CASE WHEN a.state = 'delivered' THEN now() END,
                updated_at = now()
           FROM answer a
-         WHERE d.event_id = a.event_id AND d.lease_token = a.token AND d.state = 'pending'
+         WHERE d.event_id = a.event_id AND d.lease_token = a.lease_token AND d.state = 'pending'
         RETURNING d.event_id, d.attempts
     )
     UPDATE webhook_attempt w
@@ -426,25 +419,12 @@ async def take(conn: AsyncConnection, *, limit: int, lease_seconds: float, key: 
 async def move(conn: AsyncConnection, batch: Batch, finished: list[Attempted], in_flight: list[Claimed], *,
                lease_seconds: float) -> bool:
     """Move the cursor past `batch`, writing each attempt's rows; False: its lease was taken over, nothing written."""
-    answers = [(a.claimed, a.answer, a.decision) for a in finished] + [(c, None, None) for c in in_flight]
-    [row] = (
-        await driver.fetch_all(
-            conn, _MOVE, _MOVE_POSITIONAL,
-            dict(
-                token=batch.token, written_by=batch.written_by, event_id=batch.last_event_id,
-                lease_seconds=lease_seconds,
-                event_ids=[c.event_id for c, _, _ in answers],
-                client_ids=[c.client_id for c, _, _ in answers],
-                urls=[c.url for c, _, _ in answers],
-                states=[_STATE[d.outcome] if d else "pending" for _, _, d in answers],
-                outcomes=[d.outcome if d else None for _, _, d in answers],
-                retry_ins=[d.retry_in if d else 0.0 for _, _, d in answers],
-                status_codes=[a.status_code if a else None for _, a, _ in answers],
-                latencies=[a.latency_ms if a else None for _, a, _ in answers],
-                error_classes=[a.error_class if a else None for _, a, _ in answers],
-                errors=[a.error if a else None for _, a, _ in answers],
-            ),
-        )
+    answers = _answer_rows([(a.claimed, a.answer, a.decision) for a in finished]
+                           + [(c, None, None) for c in in_flight])
+    [row] = await driver.fetch_all(
+        conn, _MOVE, _MOVE_POSITIONAL,
+        dict(token=batch.token, written_by=batch.written_by, event_id=batch.last_event_id,
+             lease_seconds=lease_seconds, answers=answers),
     )
     return row["moved"] == 1
 
@@ -479,21 +459,28 @@ async def record(conn: AsyncConnection, attempts: list[Attempted]) -> set[uuid.U
     """
     if not attempts:
         return set()
-    rows = await conn.execute(
-        _RECORD,
-        dict(
-            event_ids=[a.claimed.event_id for a in attempts],
-            tokens=[a.claimed.lease_token for a in attempts],
-            states=[_STATE[a.decision.outcome] for a in attempts],
-            outcomes=[a.decision.outcome for a in attempts],
-            retry_ins=[a.decision.retry_in for a in attempts],
-            status_codes=[a.answer.status_code for a in attempts],
-            latencies=[a.answer.latency_ms for a in attempts],
-            error_classes=[a.answer.error_class for a in attempts],
-            errors=[a.answer.error for a in attempts],
-        ),
-    )
+    answers = _answer_rows([(a.claimed, a.answer, a.decision) for a in attempts])
+    rows = await conn.execute(_RECORD, dict(answers=answers))
     return {row.event_id for row in rows}
+
+
+def _answer_rows(attempts: list[tuple[Claimed, Answer | None, Decision | None]]) -> list[tuple]:
+    """Each attempt as a `webhook_answer` row (migration 0018), in the type's order of fields; no answer and
+    no decision: still in flight.
+
+    An optimisation: one array of rows, where there were ten arrays side by
+    side, one per field. asyncpg asks of every element of an array parameter
+    whether it is an array itself, and that question cost the dispatcher more
+    than the values' encoding; it is now asked once per attempt
+    (docs/reference/performance.md#a-batchs-outcomes-as-one-array-of-rows-2026-12-05).
+    """
+    return [
+        (c.event_id, c.lease_token, c.client_id, c.url,
+         _STATE[d.outcome] if d else "pending", d.outcome if d else None, d.retry_in if d else 0.0,
+         a.status_code if a else None, a.latency_ms if a else None, a.error_class if a else None,
+         a.error if a else None)
+        for c, a, d in attempts
+    ]
 
 
 async def redeliver(conn: AsyncConnection, event_id: uuid.UUID) -> bool:

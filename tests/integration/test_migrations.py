@@ -21,7 +21,8 @@ from alembic.config import Config
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from app.config import asyncpg_url
-from app.db.transaction import read
+from app.db.transaction import one_statement, read
+from app.outbox import delivery
 from app.payments import payment_table
 from devtools import embedded_db
 
@@ -799,5 +800,74 @@ async def test_0017_keeps_every_row_and_refuses_each_broken_one_column_rule_thro
         with pytest.raises(asyncpg.CheckViolationError) as refusal:
             await conn.execute("UPDATE payment SET status = 'lost' WHERE reference = 'order-processing'")
         assert refusal.value.constraint_name == "payment_status_check"
+    finally:
+        await conn.close()
+
+
+async def test_0018_keeps_every_delivery_and_attempt_and_records_an_attempt_through_its_row_type(scratch):
+    await migrate(scratch, revision_before("0018"))
+    conn = await asyncpg.connect(scratch)
+    try:
+        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
+        await conn.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) "
+                           "VALUES ($1, 'https://example.com/hook', 'sealed')", client)
+        payment_id = uuid.uuid4()
+        await insert_payment(conn, payment_id, client, "r-1", "succeeded")
+        event_id = await conn.fetchval("INSERT INTO event (client_id, payment_id, type, data) "
+                                       "VALUES ($1, $2, 'payment.succeeded', '{}') RETURNING id", client, payment_id)
+        # As a claim of the previous revision leaves a retry: its delivery leased, its attempt row open.
+        lease = uuid.uuid4()
+        await conn.execute("INSERT INTO webhook_delivery (event_id, client_id, attempts, lease_token, lease_expires_at) "
+                           "VALUES ($1, $2, 1, $3, now() + interval '30 seconds')", event_id, client, lease)
+        await conn.execute("INSERT INTO webhook_attempt (event_id, attempt, url) "
+                           "VALUES ($1, 1, 'https://example.com/hook')", event_id)
+        tables = ("event", "webhook_delivery", "webhook_attempt")
+        before = {t: await every_row(conn, t) for t in tables}
+        created = await conn.fetchval("SELECT created_at FROM event WHERE id = $1", event_id)
+    finally:
+        await conn.close()
+
+    await migrate(scratch, "0018")
+
+    conn = await asyncpg.connect(scratch)
+    try:
+        for t in tables:
+            assert await every_row(conn, t) == before[t], t
+        fields = [r[0] for r in await conn.fetch(
+            "SELECT attname FROM pg_attribute WHERE attrelid = 'webhook_answer'::regclass AND attnum > 0 "
+            "ORDER BY attnum")]
+        assert fields == ["event_id", "lease_token", "client_id", "url", "state", "outcome", "retry_in",
+                          "status_code", "latency_ms", "error_class", "error"]
+    finally:
+        await conn.close()
+
+    # Bug caught: a type whose fields are not those the dispatcher sends, in its order. The retry is
+    # recorded through it, by the dispatcher's own statement, as delivered.
+    claimed = delivery.Claimed(event_id=event_id, client_id=client, attempt=1, due_attempt=1, lease_token=lease,
+                               url="https://example.com/hook", secret="s", type="payment.succeeded", data="{}",
+                               created_at=created)
+    engine = create_async_engine(asyncpg_url(scratch))
+    try:
+        recorded = await one_statement(engine, delivery.record, [delivery.Attempted(
+            claimed, delivery.Answer(200, 12.5, None), delivery.Decision(delivery.DELIVERED))])
+    finally:
+        await engine.dispose()
+    assert recorded == {event_id}
+    conn = await asyncpg.connect(scratch)
+    try:
+        row = await conn.fetchrow("SELECT d.state, d.lease_token, d.last_status, a.outcome, a.status_code, "
+                                  "a.latency_ms FROM webhook_delivery d JOIN webhook_attempt a USING (event_id)")
+        assert tuple(row) == ("delivered", None, 200, "delivered", 200, 12.5)
+        after = {t: await every_row(conn, t) for t in tables}
+    finally:
+        await conn.close()
+
+    # Back to the previous revision: the type is gone, every row stays as recorded.
+    await downgrade(scratch, revision_before("0018"))
+    conn = await asyncpg.connect(scratch)
+    try:
+        assert await conn.fetchval("SELECT to_regtype('webhook_answer')") is None
+        for t in tables:
+            assert await every_row(conn, t) == after[t], t
     finally:
         await conn.close()
