@@ -640,18 +640,25 @@ async def downgrade(url: str, revision: str) -> None:
         pool.submit(_downgrade, url, revision).result()
 
 
+async def insert_event_of_a_client_with_an_endpoint(conn: asyncpg.Connection) -> tuple[int, uuid.UUID, uuid.UUID]:
+    """A client whose webhook endpoint is https://example.com/hook, a succeeded payment of theirs and its event,
+    as every revision since 0007 has them: the client's, the payment's and the event's ids."""
+    client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
+    await conn.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) "
+                       "VALUES ($1, 'https://example.com/hook', 'sealed')", client)
+    payment_id = uuid.uuid4()
+    await insert_payment(conn, payment_id, client, "r-1", "succeeded")
+    event_id = await conn.fetchval("INSERT INTO event (client_id, payment_id, type, data) "
+                                   "VALUES ($1, $2, 'payment.succeeded', '{}') RETURNING id", client, payment_id)
+    return client, payment_id, event_id
+
+
 async def test_0016_keeps_every_event_and_delivery_and_reads_only_new_events_behind_the_cursor(scratch):
     await migrate(scratch, revision_before("0016"))
     conn = await asyncpg.connect(scratch)
     try:
-        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
-        await conn.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) "
-                           "VALUES ($1, 'https://example.com/hook', 'sealed')", client)
-        payment_id = uuid.uuid4()
-        await insert_payment(conn, payment_id, client, "r-1", "succeeded")
         # As the previous revision's phase wrote them: the event and its pending delivery.
-        old = await conn.fetchval("INSERT INTO event (client_id, payment_id, type, data) "
-                                  "VALUES ($1, $2, 'payment.succeeded', '{}') RETURNING id", client, payment_id)
+        client, payment_id, old = await insert_event_of_a_client_with_an_endpoint(conn)
         await conn.execute("INSERT INTO webhook_delivery (event_id, client_id) VALUES ($1, $2)", old, client)
         before = [dict(r) for r in await conn.fetch("SELECT * FROM event ORDER BY id")]
         deliveries = [dict(r) for r in await conn.fetch("SELECT * FROM webhook_delivery")]
@@ -808,13 +815,7 @@ async def test_0018_keeps_every_delivery_and_attempt_and_records_an_attempt_thro
     await migrate(scratch, revision_before("0018"))
     conn = await asyncpg.connect(scratch)
     try:
-        client = await conn.fetchval("INSERT INTO client (name, api_key_hash) VALUES ('c', 'h') RETURNING id")
-        await conn.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed) "
-                           "VALUES ($1, 'https://example.com/hook', 'sealed')", client)
-        payment_id = uuid.uuid4()
-        await insert_payment(conn, payment_id, client, "r-1", "succeeded")
-        event_id = await conn.fetchval("INSERT INTO event (client_id, payment_id, type, data) "
-                                       "VALUES ($1, $2, 'payment.succeeded', '{}') RETURNING id", client, payment_id)
+        client, _, event_id = await insert_event_of_a_client_with_an_endpoint(conn)
         # As a claim of the previous revision leaves a retry: its delivery leased, its attempt row open.
         lease = uuid.uuid4()
         await conn.execute("INSERT INTO webhook_delivery (event_id, client_id, attempts, lease_token, lease_expires_at) "
