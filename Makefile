@@ -74,7 +74,7 @@ cluster-ha: $(STAMP) $(HA_STAMP)
 	$(HA_CHECK)
 	$(BIN)/python -m devtools.cluster_ha --replicas $(REPLICAS) --base-port $(HA_BASE_PORT)
 
-# The chaos soak on the HA cluster (docs/failover.md#the-soak); non-zero exit on any violation.
+# The chaos soak on the HA cluster (docs/failover.md#the-soak-make-soak-ha); non-zero exit on any violation.
 # Two primaries killed, a switchover, a stall past the TTL, both standbys stopped and, as root with
 # iproute2's `ip`, a partition (each node in a network namespace of its own, the primary's link cut
 # and restored; without them it says so and skips it): about 7 minutes. PAYMENTS and SECONDS

@@ -404,7 +404,7 @@ def migrate() -> None:
         raise _refuse(f"cannot migrate {redacted_url(url)}: {exc}") from None
     except Exception as exc:
         # Unreachable, not there, or refused us: say which one, without its
-        # password, and why, without a page of traceback (README.md#settings: exit 2).
+        # password, and why, without a page of traceback (README.md#configuration: exit 2).
         line = database_problem(exc, url)
         if line is None:
             raise

@@ -205,7 +205,7 @@ class Settings(BaseSettings):
     batch_ack_wait_seconds: float = Field(default=60.0, gt=0)
     batch_max_deliveries: int = Field(default=5, ge=1)
     batch_consumer_concurrency: int = Field(default=16, ge=1)
-    # The egress policy (app/outbox/egress.py, docs/outbox-inbox.md#egress):
+    # The egress policy (app/outbox/egress.py, docs/outbox-inbox.md#egress-where-the-dispatcher-may-connect):
     # a webhook URL is https and reaches public addresses only, checked on
     # the resolved address of every connection. Development only: http
     # allowed, and these comma-separated networks allowed too (the fake

@@ -15,7 +15,7 @@ started and the embedded PostgreSQL if it started it; a process that exits on
 its own stops them too, and the run exits 1.
 
 Its children get the user's environment (plus where the database and the
-fakes are), so the settings of README.md#settings apply to `make run`.
+fakes are), so the settings of README.md#configuration apply to `make run`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def refuse_taken_ports(ports: dict[str, int]) -> None:
     if taken := taken_ports(ports):
         Console(stderr=True).print(
             "cannot start: " + ", ".join(f"{name} {port}" for name, port in taken)
-            + " already in use (another `make run`?); stop it, or choose other ports (README.md#settings)",
+            + " already in use (another `make run`?); stop it, or choose other ports (README.md#configuration)",
             style="red", soft_wrap=True, markup=False, highlight=False)
         raise SystemExit(2)
 

@@ -49,7 +49,7 @@ and rail transfer belongs to one payment; no answer was a 500. Per
 failover it reports how long the cluster took to route to a new primary and
 the recovery time (the first payment offered after the failure began that
 got its final answer), median and max, beside the throughput against the
-calm run. docs/failover.md#the-soak has the figures.
+calm run. docs/failover.md#the-soak-make-soak-ha has the figures.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Where it sits: under the batch publisher and consumer (app/workers/batch_publisher.py,
 app/workers/batch_consumer.py), as the rails' clients sit under the engine.
-What the broker promises, and what it does not (docs/batches.md#what-the-broker-promises):
+What the broker promises, and what it does not (docs/batches.md#what-the-broker-promises-and-what-it-does-not):
 
 * A publish answered with a PubAck is stored (file storage: it survives a
   broker restart). No PubAck (a timeout, a broker restarting) means nothing

@@ -5,7 +5,9 @@ The docs teach by pointing at the code: `app/payments/runner.py::drive`,
 links such as `[phases.py](../app/payments/phases.py)`. A rename that forgets
 a page leaves a reader hunting for something that is not there. These tests
 read every Markdown page and fail on the first reference that no longer
-resolves.
+resolves. A link to a heading (`outbox-inbox.md#rotating-a-signing-secret`),
+from a page or from the code, must find that heading: a heading reworded
+leaves its old links pointing at the top of the page.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ SOURCE_DIRS = ("app", "fake_rails", "naive_twin", "redis_twin", "payments_client
 CODE_REF = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w.-]+\.py)::([A-Za-z_][\w.]*)")
 TEST_NAME = re.compile(r"\b(test_[a-z0-9_]+)\b(?!\.py)")
 LINK = re.compile(r"\]\((?!https?:|#|mailto:)([^)#\s]+)(?:#[^)]*)?\)")
+# A link to a heading in a page: `](page.md#heading)`, or `](#heading)` in the same page.
+PAGE_ANCHOR = re.compile(r"\]\((?!https?:|mailto:)([^)#\s]*)#([^)\s]+)\)")
+# The same named from the code: `docs/outbox-inbox.md#egress-where-the-dispatcher-may-connect`.
+CODE_ANCHOR = re.compile(r"((?:[\w.-]+/)*[\w.-]+\.md)#([a-z0-9_-]+)")
 
 
 @cache
@@ -104,4 +110,43 @@ def test_every_relative_link_points_at_a_file():
             target = (page.parent / match.group(1)).resolve()
             if not target.exists():
                 broken.append((str(page.relative_to(ROOT)), match.group(1)))
+    assert broken == [], broken
+
+
+def heading_id(heading: str) -> str:
+    """The id a Markdown renderer (GitHub's) gives a heading: its text, lower case, punctuation dropped, spaces as -."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+@cache
+def heading_ids(page: Path) -> frozenset[str]:
+    """Every heading's id in a page; a repeated one gets -1, -2, ... as the renderer numbers them."""
+    ids: set[str] = set()
+    seen: dict[str, int] = {}
+    in_code = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        heading = None if in_code else re.match(r"#{1,6} (.+)", line)
+        if heading:
+            base = heading_id(heading.group(1))
+            ids.add(base if base not in seen else f"{base}-{seen[base]}")
+            seen[base] = seen.get(base, 0) + 1
+    return frozenset(ids)
+
+
+def test_every_link_to_a_heading_finds_it():
+    broken = []
+    for page in PAGES:
+        for match in PAGE_ANCHOR.finditer(page.read_text()):
+            target = (page.parent / match.group(1)).resolve() if match.group(1) else page
+            if target.suffix == ".md" and target.is_file() and match.group(2) not in heading_ids(target):
+                broken.append((str(page.relative_to(ROOT)), match.group(0)))
+    sources = [*python_files(), *(ROOT / "devtools").rglob("*.py"), ROOT / "Makefile"]
+    for source in (s for s in sources if s != Path(__file__)):  # not this module's own examples
+        for match in CODE_ANCHOR.finditer(source.read_text()):
+            target = ROOT / match.group(1)
+            if not target.is_file() or match.group(2) not in heading_ids(target):
+                broken.append((str(source.relative_to(ROOT)), match.group(0)))
     assert broken == [], broken

@@ -33,5 +33,5 @@ def test_a_second_make_run_on_a_busy_port_refuses_before_it_prints_or_starts_any
     assert result.stdout == "", result
     assert result.stderr.splitlines() == [
         f"cannot start: API_PORT {busy} already in use (another `make run`?); stop it, or choose other ports "
-        "(README.md#settings)"], result
+        "(README.md#configuration)"], result
     assert not list(tmp_path.iterdir())  # no key, no token: nothing was set up

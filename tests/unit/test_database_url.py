@@ -59,6 +59,6 @@ def test_a_mistyped_database_url_stops_the_command_with_a_message_that_hides_the
 def test_an_unreachable_database_is_named_without_its_password():
     code, output = _payments("migrate", database_url="postgresql://u:s3cret@127.0.0.1:1/x")
 
-    assert code == 2, output  # README.md#settings: a database that cannot be used refuses with exit 2
+    assert code == 2, output  # README.md#configuration: a database that cannot be used refuses with exit 2
     assert "cannot migrate: cannot reach the database at postgresql://u:***@127.0.0.1:1/x" in output
     assert "s3cret" not in output

@@ -11,7 +11,7 @@ the same key sent with another file (or to another endpoint) with 422.
 
 There is no external call in it: the rows reach the broker from the outbox
 (app/workers/batch_publisher.py), which is what keeps the upload free of a
-dual write (docs/batches.md#from-upload-to-broker). Each row is then a
+dual write (docs/batches.md#from-upload-to-broker-without-a-dual-write). Each row is then a
 payment of its own, driven by a consumer (app/workers/batch_consumer.py)
 through the payment's machine under the row's natural key.
 """
