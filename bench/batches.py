@@ -59,6 +59,7 @@ import typer
 from app.payments.batches.rows import natural_key, payment_reference
 from bench import report
 from bench.checks import Check, _charges_and_transfers, _fetch, exactly_once
+from bench.costs import cpu_of
 from bench.load import Load
 from bench.system import (
     LOGS, PHASED, RESULTS, SETTINGS, Databases, Service, apis, console, database_server, fakes, prepare_databases, running,
@@ -91,14 +92,7 @@ def cpu_seconds(processes: dict[str, list[psutil.Process]]) -> dict[str, float]:
     """User and system CPU seconds so far of each named group of processes (0 for one that is gone)."""
     spent = {}
     for name, group in processes.items():
-        total = 0.0
-        for process in group:
-            try:
-                times = process.cpu_times()
-                total += times.user + times.system
-            except psutil.Error:
-                pass
-        spent[name] = total
+        spent[name] = sum(s for process in group if (s := cpu_of(process)) is not None)
     return spent
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import psutil
 import typer
 
+from bench.costs import cpu_of
 from bench.load import Load, Paid, RunResult
 from bench.system import (
     PHASED, UNWATCHED, SETTINGS, Service, System, console, database_server, fakes, prepare_databases, running,
@@ -47,14 +48,7 @@ CLIENTS = 16  # per API
 
 
 def cpu_seconds(service: Service) -> float:
-    total = 0.0
-    for process in service.tree():
-        try:
-            times = process.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
+    return sum(s for process in service.tree() if (s := cpu_of(process)) is not None)
 
 
 def _ours(data_dir: Path | None = None) -> list[psutil.Process]:

@@ -33,7 +33,7 @@ import typer
 
 from bench import outbox
 from bench.load import Load
-from bench.costs import STATS_SETTLE_SECONDS
+from bench.costs import STATS_SETTLE_SECONDS, cpu_of
 from bench.system import LOGS, console
 from devtools.system import System
 
@@ -42,8 +42,7 @@ RAILS_DATABASE = "payments_webhook_cpu_rails"
 
 
 def cpu_seconds(pid: int) -> float:
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
+    return cpu_of(psutil.Process(pid)) or 0.0
 
 
 async def measure(api_url: str, api_key: str, service_url: str, merchant_url: str, client_id: int, worker_pid: int,

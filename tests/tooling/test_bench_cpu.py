@@ -1,0 +1,62 @@
+"""The bench's CPU reading of a process: to well under a millisecond, all its threads together.
+
+The bench judges some figures by a few milliseconds of one process's CPU
+(the webhook dispatcher's database sessions in a 5 s round, bench/outbox.py).
+Read in /proc's clock ticks, that is 0 or 10 ms; `bench.costs.cpu_of` reads
+the kernel's CPU clock of the process instead.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from bench.costs import cpu_of
+
+# A child that runs until its own CPU clock reads 5 ms past a tick of 10 ms,
+# part of it in a second thread, says what its clock reads, and then waits
+# (on its stdin) for this test to read it from outside.
+_CHILD = textwrap.dedent(
+    """
+    import sys, threading, time
+
+    def spin(until):
+        while time.process_time() < until:
+            pass
+
+    start = time.process_time()
+    target = (int(start * 100) + 3) / 100 + 0.005
+    helper = threading.Thread(target=spin, args=((start + target) / 2,))
+    helper.start()
+    helper.join()
+    spin(target)
+    print(repr(time.process_time()), flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process CPU clock is read on Linux only")
+def test_a_process_cpu_is_read_to_the_millisecond_with_its_threads_not_in_ticks():
+    child = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        said = float(child.stdout.readline())  # the child's own clock, read after the spin; blocking until it prints
+        read = cpu_of(psutil.Process(child.pid))
+    finally:
+        child.communicate("")
+    # What the child printed is its CPU so far; printing it costs a little
+    # more. In ticks the reading would be a multiple of 10 ms, 5 ms off.
+    assert read is not None
+    assert said <= read < said + 0.002, (said, read)
+
+
+def test_a_process_that_is_gone_has_no_reading():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    process = psutil.Process(child.pid)
+    child.wait()
+
+    assert cpu_of(process) is None
