@@ -3,12 +3,12 @@
 `payments worker` runs the dispatcher (app/workers/webhooks.py); this script
 drives new payments from the client with a webhook endpoint at the fake
 merchant for `--seconds`, waits until the dispatcher has delivered all of
-them, and divides the worker process's CPU seconds (psutil's user + system)
-over that span by the webhooks delivered in it. The worker's other loops run
-too (their sweeps are a small, constant part: `idle` shows it). Delivered
-is the merchant's word: the webhooks its inbox applied (bench/outbox.py),
-not the service's `webhook_delivery` rows, which a delivery that succeeded
-need not leave.
+them, and divides the worker process's CPU seconds (its CPU clock,
+bench/costs.py::cpu_of) over that span by the webhooks delivered in it.
+The worker's other loops run too (their sweeps are a small, constant
+part: `idle` shows it). Delivered is the merchant's word: the webhooks
+its inbox applied (bench/outbox.py), not the service's
+`webhook_delivery` rows, which a delivery that succeeded need not leave.
 
 Every process listens on a port given here (`--port-base` and the next five),
 on the embedded PostgreSQL of EMBEDDED_PG_PORT / PAYMENTS_DATA_DIR, in
