@@ -89,7 +89,7 @@ def payroll(rows: int, tag: str) -> bytes:
 
 
 def cpu_seconds(processes: dict[str, list[psutil.Process]]) -> dict[str, float]:
-    """User and system CPU seconds so far of each named group of processes (0 for one that is gone)."""
+    """CPU seconds so far of each named group of processes (`cpu_of`; 0 for one that is gone)."""
     spent = {}
     for name, group in processes.items():
         spent[name] = sum(s for process in group if (s := cpu_of(process)) is not None)
