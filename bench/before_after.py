@@ -23,7 +23,7 @@ the machine slows both alike (the reason is in bench/watching.py). Each
 round drives new payments through both at the same moments, then replays
 through both the keys that round finished; the order in which the two are
 started alternates from round to round. Per round and side: the API
-process's CPU seconds (user + system) per new payment and per replay,
+process's CPU seconds (bench/costs.py::cpu_of) per new payment and per replay,
 payments and replays per second, and after ÷ before; then the medians.
 
 The target (docs/reference/performance.md#before-and-after-the-machine-refactor):

@@ -10,9 +10,9 @@ pins the API processes to the machine's last CPU and everything else of the
 run (PostgreSQL, the fakes, the load generator) to the others, and replays
 finished payments against all of them at once, each with its own clients.
 Sharing one CPU at the same moments, the APIs are slowed alike by whatever
-slows that CPU; each round reads each API's CPU time (user + system) per
-replay and its replays per second, and the ratios of a round are nearly
-free of the machine's drift. The pinning is undone at the end.
+slows that CPU; each round reads each API's CPU time (its CPU clock,
+bench/costs.py::cpu_of) per replay and its replays per second, and the
+ratios of a round are nearly free of the machine's drift. The pinning is undone at the end.
 
 `make bench` (bench/run.py) runs it after its own replay runs, on its
 watched and unwatched APIs, and judges the watching target by it. Run
