@@ -121,7 +121,7 @@ def client_of_key(url: str, api_key: str) -> int | None:
 
 def set_webhook(
     url: str, client: int | str, webhook_url: str, *, policy: EgressPolicy, secrets_key: str,
-    rotate_secret: bool = False, overlap_hours: float = 0.0,
+    rotate_secret: bool = False, overlap_hours: float = 0.0, events_per_post: int | None = None,
 ) -> tuple[str, Any]:
     """Set the webhook endpoint of `client` (its id, or a name only one client has), its secret sealed with `secrets_key`.
 
@@ -130,13 +130,17 @@ def set_webhook(
     name: nothing is changed). Raises InvalidWebhookUrl (the egress `policy`
     refuses the URL) before it touches the database. With `rotate_secret`,
     the old secret is still sent beside the new one for `overlap_hours`.
+    `events_per_post`: at most how many events one POST carries (None: the
+    endpoint's as it is, 1 for a new one); ValueError, nothing written,
+    outside 1 to endpoints.MAX_EVENTS_PER_POST.
     """
     endpoints.checked_url(webhook_url, policy)
     key = SecretsKey(secrets_key)
 
     async def work(conn) -> tuple[str, Any]:
         return await _for_client(conn, client, "set", lambda client_id: endpoints.set_endpoint(
-            conn, client_id, webhook_url, key, rotate_secret=rotate_secret, overlap_seconds=overlap_hours * 3600))
+            conn, client_id, webhook_url, key, rotate_secret=rotate_secret, overlap_seconds=overlap_hours * 3600,
+            events_per_post=events_per_post))
 
     return on_database(url, lambda engine: atomic(engine, work))
 

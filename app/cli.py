@@ -457,6 +457,10 @@ def clients_create(
     webhook_url: str = typer.Option(None, "--webhook-url", help="POST this client's events here (Standard Webhooks)."),
     allow_duplicate_name: bool = typer.Option(
         False, "--allow-duplicate-name", help="Create it even if a client has this name (then address them by id)."),
+    events_per_post: int = typer.Option(
+        None, "--events-per-post",
+        help="At most this many of the client's events in one POST, for an endpoint that reads the list form "
+             "(docs/outbox-inbox.md#several-events-in-one-post); 1: one event a POST. Default 1."),
 ) -> None:
     """Create a client and print its id and API key (shown once, stored hashed), and its webhook secret."""
     from app.admin import NameTaken, create_client, set_webhook
@@ -466,6 +470,10 @@ def clients_create(
     url = _database_url()
     if name.isdigit():
         raise _refuse(f"a client's name cannot be digits only ({name!r}): the commands would read it as a client id")
+    if events_per_post is not None:
+        if webhook_url is None:
+            raise _refuse("--events-per-post is a setting of the webhook endpoint: give --webhook-url too")
+        _check_events_per_post(events_per_post)
     if webhook_url is not None:
         settings = _settings()
         key, policy = _secrets_key(settings), EgressPolicy.from_settings(settings)
@@ -480,8 +488,17 @@ def clients_create(
     console.print(f"client {client_id} ({name}) API key: [bold]{api_key}[/]", soft_wrap=True)
     console.print("It is stored only as a hash: keep it now.")
     if webhook_url is not None:
-        _, secret = set_webhook(url, client_id, webhook_url, policy=policy, secrets_key=key)
-        _print_secret(webhook_url, secret)
+        _, secret = set_webhook(url, client_id, webhook_url, policy=policy, secrets_key=key,
+                                events_per_post=events_per_post)
+        _print_secret(webhook_url, secret, events_per_post)
+
+
+def _check_events_per_post(events_per_post: int | None) -> None:
+    """A clear refusal (exit 2) of an --events-per-post the endpoint cannot have."""
+    from app.outbox.endpoints import MAX_EVENTS_PER_POST
+
+    if events_per_post is not None and not 1 <= events_per_post <= MAX_EVENTS_PER_POST:
+        raise _refuse(f"--events-per-post must be 1 to {MAX_EVENTS_PER_POST}, not {events_per_post}")
 
 
 def _client(client: str) -> int | str:
@@ -497,8 +514,10 @@ def _refuse_unless_found(client: str, status: str, found) -> None:
                       "give the id instead of the name")
 
 
-def _print_secret(webhook_url: str, secret: str | None) -> None:
+def _print_secret(webhook_url: str, secret: str | None, events_per_post: int | None = None) -> None:
     console.print(f"webhook endpoint: {webhook_url}", soft_wrap=True, markup=False, highlight=False)
+    if events_per_post is not None:
+        console.print(f"events per POST: at most {events_per_post} (a retry carries one)")
     if secret is not None:
         console.print(f"webhook signing secret: [bold]{secret}[/]", soft_wrap=True, highlight=False)
         console.print("It is shown once: give it to the endpoint, which verifies every webhook with it.")
@@ -514,23 +533,29 @@ def clients_set_webhook(
         None, "--overlap-hours", min=0,
         help="With --rotate-secret: hours the old secret is still sent beside the new one "
              "(default WEBHOOK_SECRET_OVERLAP_HOURS)."),
+    events_per_post: int = typer.Option(
+        None, "--events-per-post",
+        help="At most this many of the client's events in one POST, for an endpoint that reads the list form "
+             "(docs/outbox-inbox.md#several-events-in-one-post); 1: one event a POST. Default: the endpoint's as it is (1 for a new one)."),
 ) -> None:
     """Set or change the client's webhook URL; pending deliveries go to the new one."""
     from app.admin import set_webhook
     from app.outbox.egress import EgressPolicy
     from app.outbox.endpoints import InvalidWebhookUrl
 
+    _check_events_per_post(events_per_post)
     url = _database_url()
     settings = _settings()
     key = _secrets_key(settings)
     overlap = settings.webhook_secret_overlap_hours if overlap_hours is None else overlap_hours
     try:
         status, secret = set_webhook(url, _client(client), webhook_url, policy=EgressPolicy.from_settings(settings),
-                                     secrets_key=key, rotate_secret=rotate_secret, overlap_hours=overlap)
+                                     secrets_key=key, rotate_secret=rotate_secret, overlap_hours=overlap,
+                                     events_per_post=events_per_post)
     except InvalidWebhookUrl as exc:
         raise _refuse(str(exc)) from None
     _refuse_unless_found(client, status, secret)
-    _print_secret(webhook_url, secret)
+    _print_secret(webhook_url, secret, events_per_post)
     if secret is None:
         console.print("the signing secret is unchanged")
     elif rotate_secret:

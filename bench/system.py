@@ -178,6 +178,16 @@ def register_webhook(dbs: Databases, merchant: Service) -> None:
     asyncio.run(insert())
 
 
+async def set_events_per_post(dbs: Databases, events_per_post: int) -> None:
+    """How many events the dispatcher may put in one POST to `bench-webhooks`'s endpoint, from its next read on."""
+    conn = await asyncpg.connect(dbs.service_url)
+    try:
+        await conn.execute("UPDATE webhook_endpoint SET events_per_post = $2 WHERE client_id = $1",
+                           dbs.webhook_client_id, events_per_post)
+    finally:
+        await conn.close()
+
+
 # --- Processes ----------------------------------------------------------------
 
 

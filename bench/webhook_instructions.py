@@ -1,7 +1,7 @@
 """The webhook dispatcher's instructions per first attempt: a figure the machine's noise does not move.
 
     .venv/bin/python -m bench.webhook_instructions [--webhooks 800] [--warmup 200] [--repeats 2] [--tolerance 0.03]
-        [--statements/--no-statements]
+        [--statements/--no-statements] [--events-per-post 1]
 
 Not on a request's path: a bench of its own, beside bench/webhook_cpu.py
 (the dispatcher's CPU seconds per webhook, which move with whatever else the
@@ -233,6 +233,8 @@ def main(
     port_base: int = typer.Option(55760, help="The first of four consecutive ports."),
     statements: bool = typer.Option(True, "--statements/--no-statements",
                                     help="Also the database's cost per statement in the last window."),
+    events_per_post: int = typer.Option(1, "--events-per-post", min=1, max=100,
+                                        help="At most this many events in one POST to the merchant's endpoint."),
     drive_markers: Path | None = typer.Option(None, "--drive", hidden=True),
 ) -> None:
     if drive_markers is not None:
@@ -261,8 +263,9 @@ def main(
                 conn = await asyncpg.connect(service_url)
                 try:
                     await conn.execute(
-                        "INSERT INTO webhook_endpoint (client_id, url, secret_sealed) VALUES ($1, $2, $3)",
-                        client_id, system.merchant.url + "/webhooks", system.seal(secret))
+                        "INSERT INTO webhook_endpoint (client_id, url, secret_sealed, events_per_post) "
+                        "VALUES ($1, $2, $3, $4)",
+                        client_id, system.merchant.url + "/webhooks", system.seal(secret), events_per_post)
                 finally:
                     await conn.close()
                 async with Load(api.url, api_key, 8) as load:
@@ -279,7 +282,7 @@ def main(
         console.print(f"window {n}: {w['webhooks']} first attempts, {w['instructions']:,} instructions, "
                       f"{w['per_webhook']:,.0f} a webhook")
     console.print(f"the dispatcher's instructions per first attempt: [bold]{figure:,.0f}[/] "
-                  f"(the mean of {len(windows)} windows)")
+                  f"(the mean of {len(windows)} windows; at most {events_per_post} events a POST)")
     last = windows[-1]
     if statements:
         rows = [r for r in last.pop("statements") if r["toplevel"]]
@@ -294,7 +297,8 @@ def main(
                       f"shared blocks, {sum(float(r['wal_bytes']) for r in mine) / last['webhooks']:,.0f} WAL bytes")
     for w in windows:
         w.pop("statements", None)
-    print(json.dumps({"instructions_per_webhook": round(figure), "windows": windows}), flush=True)
+    print(json.dumps({"instructions_per_webhook": round(figure), "events_per_post": events_per_post,
+                      "windows": windows}), flush=True)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,17 @@ merchant does with them:
 * **Apply events in order of their ids**, not of arrival: a retried older
   event arriving after a newer one is recorded (counted in
   `events_applied`) without moving the status back.
+* **Take several events in one POST** when its endpoint asked for them
+  (`--events-per-post`): a body of type `event.list` lists each event with
+  its own id; every one goes through the inbox in one transaction, and the
+  answer covers them all. An event that comes again alone (a retry) is a
+  duplicate like any other.
 
 Every POST is logged as it arrives (`received`), with when and how it was
 answered, so a test can prove two deliveries of one event never overlapped.
 A fault plan (`/_admin/faults`, operation `webhook`, matched on the
-payment's reference) makes it misbehave like a real endpoint: `delay`,
+payment's reference; a list POST on the first of its events' references
+that has a plan) makes it misbehave like a real endpoint: `delay`,
 `error_before` (an error, nothing applied), `error_after` (applied, then an
 error: the sender must retry and the inbox absorbs it), `hang_after`
 (applied, then no answer), `rate_limit` (429 with Retry-After).
@@ -83,6 +89,8 @@ CREATE TABLE IF NOT EXISTS fake_merchant.received (
     outcome text
 );
 CREATE INDEX IF NOT EXISTS received_webhook_id_idx ON fake_merchant.received (webhook_id);
+-- How many events the POST carried: 1, or a list POST's count.
+ALTER TABLE fake_merchant.received ADD COLUMN IF NOT EXISTS events integer NOT NULL DEFAULT 1;
 """
 
 # The inbox and the effect in one statement, so one transaction: the
@@ -130,14 +138,28 @@ class SecretsBody(BaseModel):
     secrets: list[str]
 
 
-def _reference(body: bytes) -> str | None:
-    """The payment's reference, for matching the fault plan (read before, and whatever, the signature says)."""
+# The envelope of several events in one POST (app/outbox/delivery.py::list_body).
+LIST_TYPE = "event.list"
+
+
+def _references(body: bytes) -> list[str]:
+    """The payments' references, for matching the fault plan (read before, and whatever, the signature says):
+    the event's, or each listed event's in a list POST."""
     try:
         parsed = json.loads(body)
-        reference = parsed["data"]["reference"]
+        data = parsed["data"]
+        items = data["events"] if parsed.get("type") == LIST_TYPE else [parsed]
+        references = [item["data"]["reference"] for item in items]
     except (ValueError, KeyError, TypeError):
-        return None
-    return reference if isinstance(reference, str) else None
+        return []
+    return [r for r in references if isinstance(r, str)]
+
+
+def _events(payload: dict[str, Any], webhook_id: str) -> list[tuple[str, dict[str, Any]]]:
+    """Each event a verified webhook carries, as (its id, its envelope): itself, or a list POST's items."""
+    if payload.get("type") != LIST_TYPE:
+        return [(webhook_id, payload)]
+    return [(str(item["id"]), item) for item in (payload.get("data") or {}).get("events") or []]
 
 
 def verify(secrets: list[str], body: bytes, headers: dict[str, str]) -> dict[str, Any] | None:
@@ -176,15 +198,16 @@ def create_app(database_url: str, secrets: list[str] | None = None) -> FastAPI:
     async def receive(request: Request) -> JSONResponse:
         body = await request.body()
         headers = dict(request.headers)
-        reference = _reference(body)
+        references = _references(body)
         seq = await pool().fetchval(
-            "INSERT INTO fake_merchant.received (webhook_id, webhook_timestamp, reference) "
-            "VALUES ($1, $2, $3) RETURNING seq",
-            headers.get("webhook-id"), headers.get("webhook-timestamp"), reference,
+            "INSERT INTO fake_merchant.received (webhook_id, webhook_timestamp, reference, events) "
+            "VALUES ($1, $2, $3, $4) RETURNING seq",
+            headers.get("webhook-id"), headers.get("webhook-timestamp"), references[0] if references else None,
+            max(1, len(references)),
         )
         status, outcome, noted = 500, "error", False
         try:
-            response, outcome, noted = await _handle(seq, body, headers, reference)
+            response, outcome, noted = await _handle(seq, body, headers, references)
             status = response.status_code
             return response
         except Problem as problem:
@@ -199,11 +222,18 @@ def create_app(database_url: str, secrets: list[str] | None = None) -> FastAPI:
                     seq, status, outcome,
                 )
 
+    async def _fault(references: list[str]):
+        """The fault planned for the first of the references that has one (one use of it taken), or None."""
+        for reference in references:
+            if fault := await app.state.faults.take("webhook", reference):
+                return fault
+        return None
+
     async def _handle(
-        seq: int, body: bytes, headers: dict[str, str], reference: str | None
+        seq: int, body: bytes, headers: dict[str, str], references: list[str]
     ) -> tuple[JSONResponse, str, bool]:
         """The answer, its outcome, and whether the apply statement has already noted it in `received`."""
-        fault = await app.state.faults.take("webhook", reference)
+        fault = await _fault(references)
         action = fault.action if fault else None
         if action == "delay":
             await asyncio.sleep(fault.seconds)
@@ -218,14 +248,21 @@ def create_app(database_url: str, secrets: list[str] | None = None) -> FastAPI:
         if payload is None:
             raise Problem(401, "invalid-signature", "Invalid signature",
                           "the webhook signature is missing, wrong or stale; nothing was applied")
-        webhook_id = headers["webhook-id"]
-        data = payload.get("data") or {}
         after = action in ("error_after", "hang_after")
-        first = await pool().fetchval(
-            _APPLY, str(data.get("id")), str(data.get("reference")), str(data.get("status")),
-            data.get("amount"), data.get("currency"), webhook_id, str(payload.get("type")),
-            None if after else seq,
-        )
+        events = _events(payload, headers["webhook-id"])
+        if len(events) == 1 and payload.get("type") != LIST_TYPE:
+            first = await _apply(*events[0], None if after else seq)
+        else:
+            # A list POST: every event it carries through the inbox, in one
+            # transaction with the answer's note; each one applied once,
+            # whichever of its deliveries (in a list, or alone) came first.
+            async with pool().acquire() as conn, conn.transaction():
+                applied = [await _apply(event_id, event, None, conn) for event_id, event in events]
+                first = any(applied)
+                if not after:
+                    await conn.execute(
+                        "UPDATE fake_merchant.received SET answered_at = clock_timestamp(), status_code = 200, "
+                        "outcome = $2 WHERE seq = $1", seq, "applied" if first else "duplicate")
         outcome = "applied" if first else "duplicate"
         # Committed by now: what follows loses or delays the answer, not the effect.
         if first and action == "error_after":
@@ -233,6 +270,14 @@ def create_app(database_url: str, secrets: list[str] | None = None) -> FastAPI:
         if first and action == "hang_after":
             await asyncio.sleep(fault.seconds)
         return JSONResponse({"status": outcome}), outcome, not after
+
+    async def _apply(event_id: str, event: dict[str, Any], seq: int | None, conn=None) -> bool:
+        """One event through the inbox (`_APPLY`); True if this applied it, False if it was seen before."""
+        data = event.get("data") or {}
+        return await (conn or pool()).fetchval(
+            _APPLY, str(data.get("id")), str(data.get("reference")), str(data.get("status")),
+            data.get("amount"), data.get("currency"), event_id, str(event.get("type")), seq,
+        )
 
     @app.get("/_admin/received", tags=["admin"])
     async def admin_received(webhook_id: str | None = None) -> dict[str, Any]:

@@ -347,6 +347,24 @@ MUTANTS = (
          "test_a_payment_writes_its_event_only_and_the_cursor_sends_those_of_clients_with_an_endpoint",),
     ),
     Mutant(
+        "list-drop",
+        "every event a batch of first attempts reads is sent: one past a full list starts the next list",
+        (
+            Edit(
+                "app/outbox/delivery.py",
+                "        if current is None or len(current) == claimed.events_per_post:\n",
+                "        if current is not None and len(current) == claimed.events_per_post:\n"
+                "            continue  # MUTANT: an event past a full list is passed over, never sent\n"
+                "        if current is None:\n",
+            ),
+        ),
+        ("tests/unit/test_webhook_decisions.py::"
+         "test_a_batch_goes_out_in_lists_of_each_endpoints_size_in_its_order_and_every_other_event_alone",
+         "tests/crash/test_webhook_lists.py::"
+         "test_waiting_events_go_in_lists_of_the_endpoints_size_each_signed_and_applied_once"),
+        ("tests/crash/test_webhook_lists.py::test_an_endpoint_that_asked_for_one_event_a_post_gets_one",),
+    ),
+    Mutant(
         "egress-address",
         "the webhook dispatcher connects only to addresses the egress policy permits, judged after resolution",
         (

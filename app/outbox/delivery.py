@@ -18,6 +18,11 @@ leased, the attempt counted), `post`, and `record` (one statement, each row
 fenced by its lease token). A first attempt still in flight when its batch
 moves the cursor gets a leased row and is recorded that way too.
 
+An endpoint may ask for several events in one POST (`events_per_post`,
+migration 0019): `together` puts a batch's first attempts for it in lists,
+and `post_list` sends each list as one signed message whose answer is each
+listed event's. A retry is always one event in one POST.
+
 `post` signs with `standardwebhooks` (both signatures during a rotation's
 overlap), holds no transaction and no pooled connection, and sends through
 the dispatcher's own HTTP/1.1 client (http1.py), which connects only where
@@ -77,6 +82,7 @@ class Claimed:
     data: str  # the event's payload, the JSON text its row holds
     created_at: datetime
     previous_secret: str | None = None  # a rotated-out secret, within its overlap window
+    events_per_post: int = 1  # at most how many of the endpoint's events one POST may carry
 
     def body(self) -> str:
         """The webhook's body, the Standard Webhooks envelope; the same text on every attempt.
@@ -84,8 +90,59 @@ class Claimed:
         The payload goes in as the text the event row holds, not decoded
         and encoded again: the same bytes, for less of the dispatcher's CPU.
         """
-        timestamp = self.created_at.isoformat().replace("+00:00", "Z")
-        return f'{{"type":{json.dumps(self.type)},"timestamp":"{timestamp}","data":{self.data}}}'
+        return f'{{"type":{json.dumps(self.type)},"timestamp":"{self.timestamp()}","data":{self.data}}}'
+
+    def listed(self) -> str:
+        """The event as one item of a list POST (`list_body`): its envelope, with its id first."""
+        return f'{{"id":"{self.event_id}",{self.body()[1:]}'
+
+    def timestamp(self) -> str:
+        return self.created_at.isoformat().replace("+00:00", "Z")
+
+
+# Several events in one POST, for an endpoint that asked for it
+# (`events_per_post` above 1, migration 0019): the envelope's type, and the
+# namespace of its id, a uuid5 of the events' ids in their order, so that the
+# same list is the same message and any other list another
+# (docs/outbox-inbox.md#several-events-in-one-post).
+LIST_TYPE = "event.list"
+LIST_NAMESPACE = uuid.UUID("6f0c2d4e-9a55-4b1e-8f53-3c1a7f2b9e10")
+
+
+def together(to_send: list[Claimed]) -> list[list[Claimed]]:
+    """A batch's first attempts as the POSTs that carry them, in the batch's order.
+
+    An endpoint that takes several events in one POST gets its events in
+    lists of at most its `events_per_post`; every other event goes alone.
+    Only first attempts are sent together: a retry is always one event,
+    the message every endpoint takes.
+    """
+    posts: list[list[Claimed]] = []
+    filling: dict[int, list[Claimed]] = {}  # each endpoint's list still taking events
+    for claimed in to_send:
+        if claimed.events_per_post <= 1:
+            posts.append([claimed])
+            continue
+        current = filling.get(claimed.client_id)
+        if current is None or len(current) == claimed.events_per_post:
+            current = filling[claimed.client_id] = []
+            posts.append(current)
+        current.append(claimed)
+    return posts
+
+
+def list_body(events: list[Claimed]) -> str:
+    """The body of a list POST: one envelope of type LIST_TYPE whose data lists each event's, with its id.
+
+    Its timestamp is the newest event's: when the last thing it tells of happened.
+    """
+    items = ",".join(c.listed() for c in events)
+    return f'{{"type":"{LIST_TYPE}","timestamp":"{events[-1].timestamp()}","data":{{"events":[{items}]}}}}'
+
+
+def list_id(events: list[Claimed]) -> str:
+    """The `webhook-id` of a list POST: the same for the same events in the same order, and for no other list."""
+    return "list_" + str(uuid.uuid5(LIST_NAMESPACE, ",".join(str(c.event_id) for c in events)))
 
 
 @dataclass(frozen=True)
@@ -179,7 +236,7 @@ _TAKE = text(
                  LIMIT 1) IS NOT NULL
         RETURNING c.lease_token
     ), counted AS (
-        SELECT e.*, w.url, w.secret_sealed,
+        SELECT e.*, w.url, w.secret_sealed, w.events_per_post,
                CASE WHEN w.previous_secret_until > now() THEN w.previous_secret_sealed END AS previous_secret_sealed,
                d.event_id IS NOT NULL AS has_delivery,
                count(*) FILTER (WHERE w.url IS NOT NULL AND d.event_id IS NULL)
@@ -216,7 +273,8 @@ _TAKE = text(
     -- (docs/reference/performance.md#the-read-stops-at-its-last-slot-2026-12-05).
     SELECT taken.lease_token, counted.written_by, counted.id AS event_id, counted.client_id, counted.type,
            CASE WHEN counted.url IS NOT NULL THEN CAST(counted.data AS text) END AS data, counted.created_at,
-           counted.url, counted.secret_sealed, counted.previous_secret_sealed, counted.has_delivery
+           counted.url, counted.secret_sealed, counted.previous_secret_sealed, counted.events_per_post,
+           counted.has_delivery
       FROM taken, counted
      WHERE counted.sendable_so_far <= :sendable
      ORDER BY counted.written_by, counted.id
@@ -410,7 +468,8 @@ async def take(conn: AsyncConnection, *, limit: int, lease_seconds: float, key: 
                 event_id=r["event_id"], client_id=r["client_id"], attempt=1, due_attempt=1, lease_token=token,
                 url=r["url"], type=r["type"], data=r["data"], created_at=r["created_at"],
                 secret=r["secret_sealed"] and key.open_cached(r["secret_sealed"]),
-                previous_secret=r["previous_secret_sealed"] and key.open_cached(r["previous_secret_sealed"])))
+                previous_secret=r["previous_secret_sealed"] and key.open_cached(r["previous_secret_sealed"]),
+                events_per_post=r["events_per_post"]))
         last = r
     return Batch(token, last["written_by"], last["event_id"], to_send,
                  full=len(to_send) == limit or len(rows) == read)
@@ -508,17 +567,19 @@ async def backlog(conn: AsyncConnection) -> int:
     return (await conn.execute(_BACKLOG)).scalar_one()
 
 
-def signed_headers(claimed: Claimed, body: str, now: datetime) -> dict[str, str]:
+def signed_headers(claimed: Claimed, body: str, now: datetime, message_id: str | None = None) -> dict[str, str]:
     """The Standard Webhooks headers for this attempt, signed by the library, never by hand.
 
-    Within a rotation's overlap window, signed with both secrets, the new
-    one first: a receiver that verifies with either accepts it.
+    The message's id is the event's, or `message_id` (a list POST's,
+    `list_id`). Within a rotation's overlap window, signed with both
+    secrets, the new one first: a receiver that verifies with either accepts it.
     """
     assert claimed.secret is not None
+    message_id = message_id or str(claimed.event_id)
     secrets = (claimed.secret,) if claimed.previous_secret is None else (claimed.secret, claimed.previous_secret)
-    signature = " ".join(_signer(s).sign(str(claimed.event_id), now, body) for s in secrets)
+    signature = " ".join(_signer(s).sign(message_id, now, body) for s in secrets)
     return {
-        "webhook-id": str(claimed.event_id),
+        "webhook-id": message_id,
         "webhook-timestamp": str(int(now.timestamp())),
         "webhook-signature": signature,
         "content-type": "application/json",
@@ -546,12 +607,28 @@ async def post(http: http1.Client, claimed: Claimed, timeout: float) -> Answer:
     included: it is what keeps a POST shorter than the lease, so that no
     delivery is ever in flight twice.
     """
-    assert claimed.url is not None
     body = claimed.body()
-    headers = signed_headers(claimed, body, datetime.now(UTC))
+    return await _exchange(http, claimed.url, body, signed_headers(claimed, body, datetime.now(UTC)), timeout)
+
+
+async def post_list(http: http1.Client, events: list[Claimed], timeout: float) -> Answer:
+    """POST several events of one endpoint in one message (`list_body`); what came of it, for each of them.
+
+    The endpoint's answer is the answer to every event the list carries: a
+    2xx delivers them all, anything else leaves each to its own retry, as
+    one event alone.
+    """
+    body = list_body(events)
+    headers = signed_headers(events[0], body, datetime.now(UTC), message_id=list_id(events))
+    return await _exchange(http, events[0].url, body, headers, timeout)
+
+
+async def _exchange(http: http1.Client, url: str | None, body: str, headers: dict[str, str],
+                    timeout: float) -> Answer:
+    assert url is not None
     started = time.perf_counter()
     try:
-        head = await http.post(claimed.url, body.encode(), headers, timeout)
+        head = await http.post(url, body.encode(), headers, timeout)
     except TimeoutError as exc:
         return Answer(None, _since(started), "timeout", _describe(exc, "no answer within the timeout"))
     except egress.RefusedAddress:

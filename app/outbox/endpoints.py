@@ -9,7 +9,9 @@ API key it cannot be stored as a hash (we sign every delivery with it): it
 is stored sealed with WEBHOOK_SECRETS_KEY (sealing.py), never in the clear.
 A URL is registered only if the egress policy takes it (egress.py).
 A rotated-out secret is kept, and sent beside the new one, for an overlap
-window (docs/outbox-inbox.md#rotating-a-signing-secret).
+window (docs/outbox-inbox.md#rotating-a-signing-secret). An endpoint may
+ask for several events in one POST (`--events-per-post N`,
+docs/outbox-inbox.md#several-events-in-one-post).
 
 An endpoint gets deliveries for the events written while it exists; a
 changed URL receives the pending ones too (they are signed and sent to
@@ -31,6 +33,9 @@ from app.outbox.events import AFTER_THE_CURSOR
 from app.outbox.sealing import SecretsKey
 
 SECRET_PREFIX = "whsec_"
+# The most events one POST to an endpoint may carry (the column's CHECK,
+# migration 0019); 1, the default, is the one-event Standard Webhooks message.
+MAX_EVENTS_PER_POST = 100
 
 
 def new_secret() -> str:
@@ -48,10 +53,12 @@ def checked_url(url: str, policy: EgressPolicy) -> str:
 # clears a previous secret whose window has ended.
 _UPSERT = text(
     """
-    INSERT INTO webhook_endpoint (client_id, url, secret_sealed)
-    VALUES (:client_id, :url, :sealed)
+    INSERT INTO webhook_endpoint (client_id, url, secret_sealed, events_per_post)
+    VALUES (:client_id, :url, :sealed, coalesce(CAST(:events_per_post AS smallint), 1))
     ON CONFLICT (client_id) DO UPDATE
        SET url = EXCLUDED.url,
+           -- Not given: the endpoint keeps what it had.
+           events_per_post = coalesce(CAST(:events_per_post AS smallint), webhook_endpoint.events_per_post),
            secret_sealed = CASE WHEN :rotate THEN EXCLUDED.secret_sealed ELSE webhook_endpoint.secret_sealed END,
            previous_secret_sealed = CASE
                WHEN :rotate THEN webhook_endpoint.secret_sealed
@@ -105,17 +112,22 @@ _RESEAL = text(
 
 
 async def set_endpoint(conn: AsyncConnection, client_id: int, url: str, key: SecretsKey, *,
-                       rotate_secret: bool = False, overlap_seconds: float = 0.0) -> str | None:
+                       rotate_secret: bool = False, overlap_seconds: float = 0.0,
+                       events_per_post: int | None = None) -> str | None:
     """Create or change the client's endpoint; the secret if it is new (to show once), else None.
 
     `url` has passed the egress policy (`checked_url`). With `rotate_secret`,
     the current secret is still sent beside the new one for `overlap_seconds`.
+    `events_per_post`: at most how many events one POST may carry
+    (1 to MAX_EVENTS_PER_POST); None keeps the endpoint's, or 1 for a new one.
     """
+    if events_per_post is not None and not 1 <= events_per_post <= MAX_EVENTS_PER_POST:
+        raise ValueError(f"events per POST must be 1 to {MAX_EVENTS_PER_POST}, not {events_per_post}")
     secret = new_secret()
     row = (
         await conn.execute(
             _UPSERT, dict(client_id=client_id, url=url, sealed=key.seal(secret), rotate=rotate_secret,
-                          overlap_seconds=overlap_seconds)
+                          overlap_seconds=overlap_seconds, events_per_post=events_per_post)
         )
     ).one()
     return secret if row.created or rotate_secret else None

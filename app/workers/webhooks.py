@@ -4,8 +4,9 @@ Where it sits: after the commit. A phase wrote the event with the decision
 (app/outbox/events.py); this dispatcher (`dispatch_loop`) is the only thing
 that sends it, in two loops over the steps of app/outbox/delivery.py.
 `first_attempts` leases the cursor and reads the events after it, POSTs
-them (no transaction held), and moves the cursor past them, writing each
-one's delivery row as its attempt left it; once it has caught up, it rests
+them (no transaction held; several in one POST to an endpoint that asked
+for lists), and moves the cursor past them, writing each one's delivery
+row as its attempt left it; once it has caught up, it rests
 `webhook_poll_seconds` before it reads again. `retries` claims the
 delivery rows that are due (a failed first attempt's, one whose dispatcher
 died), POSTs, and records (fenced by each row's lease; `Recorder` puts
@@ -99,24 +100,30 @@ NOT_HTTPS = delivery.Answer(None, 0.0, "refused_scheme", egress.NOT_HTTPS)
 NO_ENDPOINT = delivery.Answer(None, 0.0, "no_endpoint", "the client has no webhook endpoint")
 
 
-async def attempt(services: Services, http: http1.Client, claimed: Claimed,
-                  policy: egress.EgressPolicy) -> delivery.Attempted:
-    """POST one delivery (a first attempt or a claimed retry); what came of it and what follows. Records nothing."""
+async def attempt(services: Services, http: http1.Client, post: list[Claimed],
+                  policy: egress.EgressPolicy) -> list[delivery.Attempted]:
+    """POST one delivery (a first attempt or a claimed retry), or several of one endpoint in one list POST
+    (first attempts, delivery.together); what came of each and what follows. Records nothing."""
     settings = services.settings
-    if claimed.url is None:
+    first = post[0]  # the events of one POST share its endpoint: its URL and its secrets
+    if first.url is None:
         answer = None  # the endpoint was removed after the event was written
-    elif not policy.permits_scheme(claimed.url):
+    elif not policy.permits_scheme(first.url):
         answer = NOT_HTTPS  # registered before the policy, or while WEBHOOK_ALLOW_HTTP was on
-    elif claimed.secret is None:
+    elif first.secret is None:
         answer = NOT_OPENED  # sealed by a key no longer in WEBHOOK_SECRETS_KEY
     else:
-        answer = await delivery.post(http, claimed, settings.webhook_timeout_seconds)
+        timeout = settings.webhook_timeout_seconds
+        answer = await (delivery.post(http, first, timeout) if len(post) == 1
+                        else delivery.post_list(http, post, timeout))
         reached(settings.payments_crash_at, "webhook-after-delivery")
-    decision = delivery.decide(
-        answer, claimed.due_attempt, max_attempts=settings.webhook_max_attempts,
-        base=settings.webhook_backoff_base_seconds, cap=settings.webhook_backoff_cap_seconds,
-    )
-    return delivery.Attempted(claimed, answer or NO_ENDPOINT, decision)
+    return [
+        delivery.Attempted(claimed, answer or NO_ENDPOINT, delivery.decide(
+            answer, claimed.due_attempt, max_attempts=settings.webhook_max_attempts,
+            base=settings.webhook_backoff_base_seconds, cap=settings.webhook_backoff_cap_seconds,
+        ))
+        for claimed in post
+    ]
 
 
 def _log_dead(attempted: delivery.Attempted) -> None:
@@ -129,33 +136,50 @@ def _log_dead(attempted: delivery.Attempted) -> None:
 async def deliver(services: Services, http: http1.Client, recorder: Recorder, claimed: Claimed,
                   policy: egress.EgressPolicy) -> str:
     """POST one claimed delivery and record what came of it; the outcome."""
-    attempted = await attempt(services, http, claimed, policy)
+    [attempted] = await attempt(services, http, [claimed], policy)
     await recorder.record(attempted)
     _log_dead(attempted)
     return attempted.decision.outcome
 
 
 async def _deliver_logged(services: Services, http: http1.Client, recorder: Recorder, claimed: Claimed,
-                          policy: egress.EgressPolicy, started: asyncio.Task | None = None) -> None:
-    """Deliver a claimed retry; or, given the task of a first attempt `started` before its batch moved on, record it."""
+                          policy: egress.EgressPolicy) -> None:
+    """Deliver a claimed retry and record it, logging a failure to record."""
     try:
-        if started is None:
-            await deliver(services, http, recorder, claimed, policy)
-        else:
-            attempted = await started
-            await recorder.record(attempted)
-            _log_dead(attempted)
-    except LeaseLost as exc:
-        log.warning("%s", exc)
+        await deliver(services, http, recorder, claimed, policy)
     except Exception as exc:
-        # The POST is over; only the record failed. The lease runs out and
-        # the delivery is sent again: at least once, never lost.
-        if database_unavailable(exc):
-            log.warning("webhook %s: the attempt could not be recorded, the database is unavailable (%s); "
-                        "it will be sent again", claimed.event_id, describe(exc))
+        _log_unrecorded(claimed, exc)
+
+
+async def _record_started(recorder: Recorder, started: asyncio.Task, post: list[Claimed]) -> None:
+    """Record the attempts of a first POST `started` before its batch moved the cursor on, each by its lease."""
+    try:
+        attempted = await started
+    except Exception as exc:
+        for claimed in post:
+            _log_unrecorded(claimed, exc)
+        return
+    outcomes = await asyncio.gather(*(recorder.record(a) for a in attempted), return_exceptions=True)
+    for a, outcome in zip(attempted, outcomes, strict=True):
+        if isinstance(outcome, BaseException):
+            if not isinstance(outcome, Exception):
+                raise outcome  # a stop's cancellation
+            _log_unrecorded(a.claimed, outcome)
         else:
-            log.error("webhook %s: the attempt could not be recorded; it will be sent again\n%s",
-                      claimed.event_id, loggable(exc))
+            _log_dead(a)
+
+
+def _log_unrecorded(claimed: Claimed, exc: Exception) -> None:
+    if isinstance(exc, LeaseLost):
+        log.warning("%s", exc)
+    # The POST is over; only the record failed. The lease runs out and the
+    # delivery is sent again: at least once, never lost.
+    elif database_unavailable(exc):
+        log.warning("webhook %s: the attempt could not be recorded, the database is unavailable (%s); "
+                    "it will be sent again", claimed.event_id, describe(exc))
+    else:
+        log.error("webhook %s: the attempt could not be recorded; it will be sent again\n%s",
+                  claimed.event_id, loggable(exc))
 
 
 # How long a batch read behind the cursor waits for its POSTs before it moves
@@ -215,14 +239,17 @@ async def first_attempts(d: Dispatcher) -> None:
                 continue
             if batch.to_send:
                 reached(settings.payments_crash_at, "webhook-after-claim")
-            tasks = {d.start(attempt(d.services, d.http, c, d.policy)): c for c in batch.to_send}
+            # A task per POST: one event, or several of one endpoint that takes lists.
+            tasks = {d.start(attempt(d.services, d.http, post, d.policy)): post
+                     for post in delivery.together(batch.to_send)}
             if tasks:
                 await asyncio.wait(tasks, timeout=CURSOR_PATIENCE_SECONDS)
-            in_flight = {t: c for t, c in tasks.items() if not t.done()}
+            in_flight = {t: post for t, post in tasks.items() if not t.done()}
             try:
-                finished = [t.result() for t in tasks if t.done()]
+                finished = [a for t in tasks if t.done() for a in t.result()]
                 moved = await one_statement(d.services.engine, delivery.move, batch, finished,
-                                            list(in_flight.values()), lease_seconds=settings.webhook_lease_seconds)
+                                            [c for post in in_flight.values() for c in post],
+                                            lease_seconds=settings.webhook_lease_seconds)
             except BaseException:
                 for t in in_flight:  # nothing of the batch is written: it is read and sent again
                     t.cancel()
@@ -248,8 +275,8 @@ async def first_attempts(d: Dispatcher) -> None:
             continue
         for attempted in finished:
             _log_dead(attempted)
-        for t, claimed in in_flight.items():
-            d.start(_deliver_logged(d.services, d.http, d.recorder, claimed, d.policy, started=t))
+        for t, post in in_flight.items():
+            d.start(_record_started(d.recorder, t, post))
         if not batch.full:
             # Caught up: rest until the next read, or stop. Under a steady
             # stream this rest, not the POST, is most of a webhook's delay.

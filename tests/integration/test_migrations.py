@@ -23,8 +23,11 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from app.config import asyncpg_url
 from app.db.transaction import one_statement, read
 from app.outbox import delivery
+from app.outbox.endpoints import new_secret
+from app.outbox.sealing import SecretsKey
 from app.payments import payment_table
 from devtools import embedded_db
+from tests.conftest import SECRETS_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -870,5 +873,49 @@ async def test_0018_keeps_every_delivery_and_attempt_and_records_an_attempt_thro
         assert await conn.fetchval("SELECT to_regtype('webhook_answer')") is None
         for t in tables:
             assert await every_row(conn, t) == after[t], t
+    finally:
+        await conn.close()
+
+
+async def test_0019_keeps_every_endpoint_at_one_event_a_post_and_lets_the_dispatcher_read_its_size(scratch):
+    await migrate(scratch, revision_before("0019"))
+    conn = await asyncpg.connect(scratch)
+    try:
+        _, _, event_id = await insert_event_of_a_client_with_an_endpoint(conn)
+        before = await every_row(conn, "webhook_endpoint")
+    finally:
+        await conn.close()
+
+    await migrate(scratch, "0019")
+
+    conn = await asyncpg.connect(scratch)
+    try:
+        after = await every_row(conn, "webhook_endpoint")
+        assert [{k: v for k, v in r.items() if k != "events_per_post"} for r in after] == before
+        assert [r["events_per_post"] for r in after] == [1], "an existing endpoint keeps one event a POST"
+        for wrong in (0, 101):
+            with pytest.raises(asyncpg.CheckViolationError):
+                await conn.execute("UPDATE webhook_endpoint SET events_per_post = $1", wrong)
+        key = SecretsKey(SECRETS_KEY)
+        await conn.execute("UPDATE webhook_endpoint SET events_per_post = 7, secret_sealed = $1",
+                           key.seal(new_secret()))
+    finally:
+        await conn.close()
+
+    # Bug caught: a read that does not carry the endpoint's size, so that every event goes alone.
+    engine = create_async_engine(asyncpg_url(scratch))
+    try:
+        batch = await one_statement(engine, delivery.take, limit=16, lease_seconds=30, key=key)
+    finally:
+        await engine.dispose()
+    # The event was written at the previous revision, behind the cursor: its first attempt is read now.
+    assert [(c.event_id, c.events_per_post) for c in batch.to_send] == [(event_id, 7)]
+
+    await downgrade(scratch, revision_before("0019"))
+    conn = await asyncpg.connect(scratch)
+    try:
+        assert [{k: v for k, v in r.items() if k not in ("secret_sealed",)}
+                for r in await every_row(conn, "webhook_endpoint")] == [
+            {k: v for k, v in r.items() if k not in ("secret_sealed",)} for r in before]
     finally:
         await conn.close()

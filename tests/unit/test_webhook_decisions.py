@@ -76,6 +76,47 @@ def test_a_signed_delivery_verifies_with_the_library_on_the_receivers_side():
         Webhook(secret).verify(body, stale)
 
 
+def first_attempt(client_id: int, events_per_post: int = 1, secret: str = "whsec_x", n: int = 0) -> Claimed:
+    return Claimed(
+        event_id=uuid.uuid4(), client_id=client_id, attempt=1, due_attempt=1, lease_token=uuid.uuid4(),
+        url=f"http://merchant.test/{client_id}", secret=secret, type="payment.succeeded",
+        data=f'{{"id": "p{n}", "status": "succeeded"}}', created_at=datetime(2026, 12, 2, 0, 0, n, tzinfo=UTC),
+        events_per_post=events_per_post,
+    )
+
+
+def test_a_batch_goes_out_in_lists_of_each_endpoints_size_in_its_order_and_every_other_event_alone():
+    a = [first_attempt(1, events_per_post=3) for _ in range(7)]
+    b = [first_attempt(2) for _ in range(2)]
+    c = [first_attempt(3, events_per_post=10) for _ in range(2)]
+    batch = [a[0], b[0], a[1], c[0], a[2], a[3], b[1], a[4], c[1], a[5], a[6]]
+
+    posts = delivery.together(batch)
+
+    assert posts == [a[0:3], [b[0]], c, a[3:6], [b[1]], [a[6]]]
+    assert [e for post in posts for e in post if e.client_id == 1] == a, "each endpoint's events keep their order"
+
+
+def test_a_list_post_verifies_with_the_library_and_carries_each_event_with_its_id():
+    secret = new_secret()
+    events = [first_attempt(1, events_per_post=5, secret=secret, n=n) for n in range(3)]
+    body = delivery.list_body(events)
+    signed = delivery.signed_headers(events[0], body, datetime.now(UTC), message_id=delivery.list_id(events))
+
+    assert Webhook(secret).verify(body, signed) == {
+        "type": "event.list", "timestamp": "2026-12-02T00:00:02Z",
+        "data": {"events": [
+            {"id": str(e.event_id), "type": "payment.succeeded", "timestamp": f"2026-12-02T00:00:0{n}Z",
+             "data": {"id": f"p{n}", "status": "succeeded"}}
+            for n, e in enumerate(events)
+        ]},
+    }
+    # The id is the list's: the same events in the same order, the same id; any other list, another.
+    assert signed["webhook-id"] == delivery.list_id(list(events)) != delivery.list_id(events[:2])
+    assert delivery.list_id(events) != delivery.list_id(events[::-1])
+    assert signed["webhook-id"].startswith("list_")
+
+
 @pytest.mark.parametrize("url", ["ftp://x/y", "/webhooks", "http://", "merchant.test/webhooks"])
 def test_only_absolute_http_urls_are_webhook_endpoints(url):
     for policy in (EgressPolicy(), egress.development()):
