@@ -149,8 +149,8 @@ def _references(body: bytes) -> list[str]:
         parsed = json.loads(body)
         data = parsed["data"]
         items = data["events"] if parsed.get("type") == LIST_TYPE else [parsed]
-        references = [item["data"]["reference"] for item in items]
-    except (ValueError, KeyError, TypeError):
+        references = [(item.get("data") or {}).get("reference") for item in items]
+    except (ValueError, KeyError, TypeError, AttributeError):
         return []
     return [r for r in references if isinstance(r, str)]
 
