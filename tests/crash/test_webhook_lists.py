@@ -17,7 +17,7 @@ import pytest
 from tests.crash.test_webhook_delivery import (
     FAST, assert_applied_once, attempts, in_state, pay, received, set_merchant_faults,
 )
-from tests.support import until
+from tests.support import behind_every_running_transaction, until
 
 pytestmark = pytest.mark.usefixtures("stack")
 
@@ -42,8 +42,9 @@ async def test_waiting_events_go_in_lists_of_the_endpoints_size_each_signed_and_
     http, stack, db, shop, merchant, processes
 ):
     await takes_lists(db, shop, 5)
-    # Written before any dispatcher runs, so that one read finds all seven.
+    # Written, and readable behind the cursor, before any dispatcher runs: one read finds all seven.
     paid = [await pay(http, stack, shop, db) for _ in range(7)]
+    await behind_every_running_transaction(db)
 
     processes.worker(**FAST)
     await all_delivered(db, paid)
@@ -76,6 +77,7 @@ async def test_a_list_the_merchant_fails_after_applying_is_retried_event_by_even
     await takes_lists(db, shop, 10)
     await set_merchant_faults(http, merchant, {"action": "error_after", "status": 500})
     paid = [await pay(http, stack, shop, db) for _ in range(3)]
+    await behind_every_running_transaction(db)  # one read finds all three
 
     processes.worker(**FAST)
     await all_delivered(db, paid)
@@ -96,6 +98,7 @@ async def test_a_dispatcher_killed_after_posting_a_list_is_followed_by_the_same_
 ):
     await takes_lists(db, shop, 10)
     paid = [await pay(http, stack, shop, db) for _ in range(3)]
+    await behind_every_running_transaction(db)  # one read finds all three, each dispatcher's
 
     doomed = processes.worker("doomed", PAYMENTS_CRASH_AT="webhook-after-delivery", **FAST)
     assert doomed.wait(30) == 137, "the dispatcher died after the merchant answered the list"
@@ -134,3 +137,28 @@ async def test_the_cli_sets_events_per_post_keeps_it_and_refuses_one_out_of_rang
     assert await db.fetchval("SELECT count(*) FROM client WHERE name = 'no-hook'") == 0, "nothing created"
     code, output = await processes.cli("clients", "set-webhook", "list-shop", url, "--events-per-post", "1")
     assert code == 0 and await stored() == 1
+
+
+async def test_a_list_still_in_flight_when_its_batch_moves_on_is_recorded_event_by_event_when_it_ends(
+    http, stack, db, shop, merchant, processes
+):
+    # The merchant answers after 1.5 s: past the second the cursor waits for a
+    # batch's POSTs (CURSOR_PATIENCE_SECONDS), within the POST's timeout.
+    await takes_lists(db, shop, 10)
+    await set_merchant_faults(http, merchant, {"action": "delay", "seconds": 1.5})
+    paid = [await pay(http, stack, shop, db) for _ in range(3)]
+    await behind_every_running_transaction(db)  # one read finds all three
+
+    processes.worker(**{**FAST, "WEBHOOK_TIMEOUT_SECONDS": "3", "WEBHOOK_LEASE_SECONDS": "6"})
+    await all_delivered(db, paid)
+
+    moved_at = await db.fetchval("SELECT moved_at FROM webhook_cursor")
+    for payment, event_id in paid:
+        await assert_applied_once(db, payment, event_id)
+        made = await attempts(db, event_id)
+        assert [(a["attempt"], a["outcome"], a["status_code"]) for a in made] == [(1, "delivered", 200)], \
+            "the list's one attempt, recorded through each row's lease: none waited for its lease to run out"
+        assert made[0]["latency_ms"] >= 1500
+        delivered_at = await db.fetchval("SELECT delivered_at FROM webhook_delivery WHERE event_id = $1", event_id)
+        assert delivered_at > moved_at, "recorded after the cursor had moved past it, as an attempt in flight"
+    assert [(p["events"], p["outcome"]) for p in await posts(db)] == [(3, "applied")]
