@@ -250,7 +250,7 @@ def create_app(database_url: str, secrets: list[str] | None = None) -> FastAPI:
                           "the webhook signature is missing, wrong or stale; nothing was applied")
         after = action in ("error_after", "hang_after")
         events = _events(payload, headers["webhook-id"])
-        if len(events) == 1 and payload.get("type") != LIST_TYPE:
+        if payload.get("type") != LIST_TYPE:
             first = await _apply(*events[0], None if after else seq)
         else:
             # A list POST: every event it carries through the inbox, in one

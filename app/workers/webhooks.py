@@ -170,10 +170,10 @@ async def _record_started(recorder: Recorder, started: asyncio.Task, post: list[
 
 
 def _log_unrecorded(claimed: Claimed, exc: Exception) -> None:
+    """Log an attempt whose record failed. The POST is over; only the record failed: the lease runs out and
+    the delivery is sent again, at least once, never lost (or, LeaseLost, another dispatcher holds it now)."""
     if isinstance(exc, LeaseLost):
         log.warning("%s", exc)
-    # The POST is over; only the record failed. The lease runs out and the
-    # delivery is sent again: at least once, never lost.
     elif database_unavailable(exc):
         log.warning("webhook %s: the attempt could not be recorded, the database is unavailable (%s); "
                     "it will be sent again", claimed.event_id, describe(exc))

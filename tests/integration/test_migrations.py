@@ -28,6 +28,7 @@ from app.outbox.sealing import SecretsKey
 from app.payments import payment_table
 from devtools import embedded_db
 from tests.conftest import SECRETS_KEY
+from tests.support import behind_every_running_transaction
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -899,6 +900,9 @@ async def test_0019_keeps_every_endpoint_at_one_event_a_post_and_lets_the_dispat
         key = SecretsKey(SECRETS_KEY)
         await conn.execute("UPDATE webhook_endpoint SET events_per_post = 7, secret_sealed = $1",
                            key.seal(new_secret()))
+        # The cursor reads only behind every transaction still running on the
+        # server (another test's, in another database, too): wait for that.
+        await behind_every_running_transaction(conn)
     finally:
         await conn.close()
 
