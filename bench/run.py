@@ -131,6 +131,7 @@ import psutil
 import typer
 
 from app.admin import create_client
+from app.outbox.endpoints import MAX_EVENTS_PER_POST
 from bench import batches, ceiling, costs, outbox, report, watching
 from bench.checks import Check, exactly_once, refunds_check, replays_check
 from bench.costs import STATS_SETTLE_SECONDS, CpuMeter, Wal, WalCount
@@ -716,10 +717,9 @@ def print_outbox_side_by_side(results: dict[str, Any]) -> None:
                    "the service", "payments/s"):
         table.add_column(column, justify="right")
     for workers, judged in sides.items():
-        # The pass with one event a POST first, shown beside the judged one with lists.
-        shown = ([(judged["one_event_a_post"], "1 a POST", False)] if "one_event_a_post" in judged else []) \
-            + [(judged, f"{judged.get('events_per_post', 1)} a POST", True)]
-        for side, posts, is_judged in shown:
+        for side in report.outbox_passes(judged):  # the pass with one event a POST first, then the judged one
+            is_judged = side is judged
+            posts = f"{judged.get('events_per_post', 1) if is_judged else 1} a POST"
             m = side["figures"]["medians"]
             for name in ("without", "with"):
                 f = m[name]
@@ -746,15 +746,14 @@ def outbox_verdict(results: dict[str, Any]) -> dict[str, Any]:
         "blocks": [{"workers": int(workers), "targets": [report.target("outbox", side["figures"]["cpu_ratio"])]}
                    for workers, side in sides.items()],
         "exactly_once_pass": bool(sides) and all(
-            p["exactly_once"]["pass"] for side in sides.values() for p in (side, side.get("one_event_a_post", side))),
+            p["exactly_once"]["pass"] for side in sides.values() for p in report.outbox_passes(side)),
     }
 
 
 def print_outbox_failures(results: dict[str, Any]) -> None:
     """--outbox-only's last lines: each failed check of the side-by-side rounds, and the verdict."""
     for workers, side in results.get("outbox_side_by_side", {}).items():
-        for c in side["exactly_once"]["checks"] + side.get("one_event_a_post", {}).get("exactly_once", {}).get(
-                "checks", []):
+        for c in (c for p in report.outbox_passes(side) for c in p["exactly_once"]["checks"]):
             console.print(f"[red]FAIL[/] {workers}w with and without webhooks at once: {c['check']}: {c['detail']}")
     verdict = "[bold green]PASS[/]" if results["exactly_once_pass"] else "[bold red]FAIL[/]"
     console.print(f"exactly-once, after every round: {verdict}")
@@ -815,7 +814,7 @@ def main(
         "(bench/outbox.py), after a warm-up: the outbox's target (no other rounds, replays, refunds or pgbench)."
     ),
     events_per_post: int = typer.Option(
-        LIST_SIZE, "--events-per-post", min=1, max=100, help="The judged rounds of the outbox's cost: at most this "
+        LIST_SIZE, "--events-per-post", min=1, max=MAX_EVENTS_PER_POST, help="The judged rounds of the outbox's cost: at most this "
         "many events in one POST to the fake merchant (docs/outbox-inbox.md#several-events-in-one-post), after a "
         "pass with one event a POST; 1: that pass alone, judged."
     ),

@@ -61,6 +61,7 @@ from pathlib import Path
 import asyncpg
 import typer
 
+from app.outbox.endpoints import MAX_EVENTS_PER_POST
 from bench.instructions import (
     MARKERS,
     NoFigure,
@@ -233,7 +234,7 @@ def main(
     port_base: int = typer.Option(55760, help="The first of four consecutive ports."),
     statements: bool = typer.Option(True, "--statements/--no-statements",
                                     help="Also the database's cost per statement in the last window."),
-    events_per_post: int = typer.Option(1, "--events-per-post", min=1, max=100,
+    events_per_post: int = typer.Option(1, "--events-per-post", min=1, max=MAX_EVENTS_PER_POST,
                                         help="At most this many events in one POST to the merchant's endpoint."),
     drive_markers: Path | None = typer.Option(None, "--drive", hidden=True),
 ) -> None:
