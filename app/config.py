@@ -184,7 +184,7 @@ class Settings(BaseSettings):
     webhook_backoff_base_seconds: float = Field(default=30.0, gt=0)
     webhook_backoff_cap_seconds: float = Field(default=21600.0, gt=0)
     # POSTs one worker has in flight at once (a list POST is one); a read of the
-    # cursor takes at most this many events to send.
+    # cursor takes at most as many events to send as its free slots carry.
     webhook_concurrency: int = Field(default=16, ge=1)
     # How long the dispatcher rests once it has read every event behind its
     # cursor, before it reads again: while it keeps up, a webhook's first

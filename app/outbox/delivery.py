@@ -50,6 +50,7 @@ from standardwebhooks import Webhook
 
 from app.db import driver
 from app.outbox import egress, http1
+from app.outbox.endpoints import MAX_EVENTS_PER_POST
 from app.outbox.events import AFTER_THE_CURSOR
 from app.outbox.sealing import SecretsKey
 
@@ -445,36 +446,49 @@ class Batch:
 READ_AHEAD = 4
 
 
-async def take(conn: AsyncConnection, *, limit: int, lease_seconds: float, key: SecretsKey) -> Batch | None:
-    """Lease the cursor and read the events after it, up to `limit` to send; None: nothing new, or another holds it.
+async def take(conn: AsyncConnection, *, limit: int, per_post: float = 1.0, lease_seconds: float,
+               key: SecretsKey) -> Batch | None:
+    """Lease the cursor and read the events after it, for up to `limit` POSTs; None: nothing new, or another holds it.
 
-    The batch ends before the first event it has no slot for (the
-    statement returns no event after it), so that the cursor moves past
-    exactly the events passed over or sent. `full`: a slot for each
-    webhook it sends, or as many events as it may look at (short of its
-    slots, the statement returns every event it read).
+    How many events `limit` POSTs carry depends on whose events they are:
+    one each, or a list of up to its endpoint's `events_per_post`
+    (`together`). The statement reads up to `limit` × `per_post` events to
+    send (the caller's guess of what a POST will carry), and the batch ends
+    before the first event that would open a POST past `limit`, or the
+    first the statement did not return; the cursor moves past exactly the
+    events passed over or sent. `full`: more may be waiting (the POSTs or
+    the events to send ran out, or it read as many events as it may look
+    at).
     """
-    read = limit * READ_AHEAD
+    sendable = min(max(limit, round(limit * per_post)), limit * MAX_EVENTS_PER_POST)
+    read = sendable * READ_AHEAD
     rows = await driver.fetch_all(conn, _TAKE, _TAKE_POSITIONAL,
-                                  dict(limit=read, sendable=limit, lease_seconds=lease_seconds))
+                                  dict(limit=read, sendable=sendable, lease_seconds=lease_seconds))
     if not rows:
         return None
     token, to_send, last = rows[0]["lease_token"], [], rows[0]
+    posts, listed = 0, {}  # POSTs opened; each endpoint's events so far (its lists, as `together` cuts them)
+    out_of_posts = False
     for r in rows:
         # No endpoint: the client reads GET /v1/events; a removed endpoint's
         # events are not sent (as its pending deliveries are cancelled).
         if r["url"] is not None and not r["has_delivery"]:
-            if len(to_send) == limit:
-                break
+            size, before = r["events_per_post"], listed.get(r["client_id"], 0)
+            if before % size == 0:  # it opens a POST: alone, or the first of a list
+                if posts == limit:
+                    out_of_posts = True
+                    break
+                posts += 1
+            listed[r["client_id"]] = before + 1
             to_send.append(Claimed(
                 event_id=r["event_id"], client_id=r["client_id"], attempt=1, due_attempt=1, lease_token=token,
                 url=r["url"], type=r["type"], data=r["data"], created_at=r["created_at"],
                 secret=r["secret_sealed"] and key.open_cached(r["secret_sealed"]),
                 previous_secret=r["previous_secret_sealed"] and key.open_cached(r["previous_secret_sealed"]),
-                events_per_post=r["events_per_post"]))
+                events_per_post=size))
         last = r
     return Batch(token, last["written_by"], last["event_id"], to_send,
-                 full=len(to_send) == limit or len(rows) == read)
+                 full=out_of_posts or len(to_send) == sendable or len(rows) == read)
 
 
 async def move(conn: AsyncConnection, batch: Batch, finished: list[Attempted], in_flight: list[Claimed], *,

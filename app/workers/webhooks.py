@@ -226,12 +226,17 @@ async def first_attempts(d: Dispatcher) -> None:
     """Read the events behind the cursor, POST them, move the cursor: each webhook's first attempt."""
     settings = d.services.settings
     failures = 0  # reads or moves failed in a row
+    # What a POST of the last batch could carry, on average: the next read
+    # asks for that many events a free slot, so that an endpoint taking
+    # lists gets them full, and a read of events that go one a POST reads
+    # no more than it sends.
+    per_post = 1.0
     while not d.stop.is_set():
         free = await d.wait_for_slots()
         if not free:
             continue
         try:
-            batch = await one_statement(d.services.engine, delivery.take, limit=free,
+            batch = await one_statement(d.services.engine, delivery.take, limit=free, per_post=per_post,
                                         lease_seconds=settings.webhook_lease_seconds, key=d.key)
             if batch is None:  # nothing new, or another dispatcher holds the cursor
                 failures = 0
@@ -240,8 +245,10 @@ async def first_attempts(d: Dispatcher) -> None:
             if batch.to_send:
                 reached(settings.payments_crash_at, "webhook-after-claim")
             # A task per POST: one event, or several of one endpoint that takes lists.
-            tasks = {d.start(attempt(d.services, d.http, post, d.policy)): post
-                     for post in delivery.together(batch.to_send)}
+            posts = delivery.together(batch.to_send)
+            if posts:
+                per_post = sum(post[0].events_per_post for post in posts) / len(posts)
+            tasks = {d.start(attempt(d.services, d.http, post, d.policy)): post for post in posts}
             if tasks:
                 await asyncio.wait(tasks, timeout=CURSOR_PATIENCE_SECONDS)
             in_flight = {t: post for t, post in tasks.items() if not t.done()}

@@ -166,3 +166,27 @@ async def test_a_list_still_in_flight_when_its_batch_moves_on_is_recorded_event_
         delivered_at = await db.fetchval("SELECT delivered_at FROM webhook_delivery WHERE event_id = $1", event_id)
         assert delivered_at > moved_at, "recorded after the cursor had moved past it, as an attempt in flight"
     assert [(p["events"], p["outcome"]) for p in await posts(db)] == [(3, "applied")]
+
+
+async def test_a_read_takes_as_many_events_as_its_free_slots_carry_in_lists(
+    http, stack, db, shop, merchant, processes
+):
+    """Two slots, forty events waiting for an endpoint of lists of 16: reads of 2, then 32 (two full lists), then 6.
+
+    The first read knows nothing of the endpoint and asks for an event a
+    slot; after it, each read asks for what its slots' lists carry. Bug
+    caught: a read that counts events against its slots (as until
+    2026-12-05), which sends twenty lists of two and leaves the merchant's
+    lists, and a backlog's catching up, at the slots' count.
+    """
+    await takes_lists(db, shop, 16)
+    paid = await waiting(http, stack, db, shop, 40)
+
+    processes.worker(**FAST, WEBHOOK_CONCURRENCY="2")
+    await all_delivered(db, paid)
+
+    got = await posts(db)
+    assert sorted(p["events"] for p in got) == [2, 6, 16, 16], [p["events"] for p in got]
+    assert all(p["outcome"] == "applied" for p in got)
+    for payment, event_id in paid:
+        await assert_applied_once(db, payment, event_id)

@@ -220,6 +220,35 @@ async def test_a_batch_with_no_slot_left_stops_before_the_next_event_to_send(db,
     assert [c.event_id for c in second.to_send] == [written[4]]
 
 
+async def test_a_batch_ends_at_its_last_post_where_an_endpoint_takes_lists(db, engine, endpoint, acme, globex):
+    """acme's events go one a POST, globex's in lists of 3: three POSTs carry five events, and the cursor stops there.
+
+    Bug caught: a read that counts events against its POSTs (as until
+    2026-12-05) stops after three events; one that counts a POST for each
+    of a list's events too; one that cuts the lists otherwise than the
+    dispatcher's `together` sends more POSTs than its slots.
+    """
+    await db.execute("INSERT INTO webhook_endpoint (client_id, url, secret_sealed, events_per_post) "
+                     "VALUES ($1, $2, $3, 3)", globex.id, "http://127.0.0.1:9/never-called", seal("whsec_" + "B" * 32))
+    order = (globex, acme, globex, globex, globex, acme, globex)
+    written = [await batch_event(db, client.id) for client in order]
+    await behind_every_running_transaction(db)
+    guessed_low, _ = await read_counted(engine, limit=3)  # rolled back
+    assert [c.event_id for c in guessed_low.to_send] == written[:3], \
+        "asked for an event a POST, three POSTs' read stops at three events"
+
+    first = await one_statement(engine, delivery.take, limit=3, per_post=3, lease_seconds=30, key=KEY)
+    assert first is not None and first.full, "acme's second event would be a fourth POST"
+    assert [[c.event_id for c in post] for post in delivery.together(first.to_send)] == [
+        written[0:1] + written[2:4], written[1:2], written[4:5]]
+    assert await move(engine, first)
+    assert await db.fetchval("SELECT event_id FROM webhook_cursor") == written[4]
+
+    second = await take(engine, limit=3)
+    assert second is not None and not second.full
+    assert [c.event_id for c in second.to_send] == written[5:]
+
+
 async def test_a_read_that_waited_for_a_move_does_not_lease_the_batch_it_read_before_it(
     db, database_url, engine, endpoint, acme
 ):
