@@ -36,10 +36,13 @@ import httptools
 
 from app.outbox import egress
 
-# Shorter than the 5 s idle timeout of common servers (uvicorn's; nginx's is
-# longer): a connection the merchant is about to close is not picked for a
-# POST, which is never sent twice, and would count as failed.
-KEEP_ALIVE_SECONDS = 5.0
+# A second shorter than the 5 s idle timeout of common servers (uvicorn's;
+# nginx's is longer): a connection the merchant is about to close is not
+# picked for a POST, which is never sent twice, and would count as failed.
+# (Equal to it, a POST now and then met the server's close: its events
+# waited for their retries.) A server that closes sooner is seen to have
+# closed, but for the moment it does.
+KEEP_ALIVE_SECONDS = 4.0
 # The URLs whose parse is kept (`Client.targets`): one per endpoint in use;
 # past this many (endpoints re-registered over a long life), all are parsed anew.
 TARGETS_KEPT = 1024

@@ -12,6 +12,7 @@ exception out of `post`.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import socket
 import uuid
@@ -19,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 import pytest
+import uvicorn
 from standardwebhooks import Webhook
 
 from app.outbox import delivery, egress, http1
@@ -252,6 +254,19 @@ async def test_a_connection_idle_past_the_keep_alive_is_not_used_again(endpoint,
     assert (await delivery.post(session, claimed(url), timeout=2)).error_class is None
 
     assert merchant.connections == 2
+
+
+def test_an_idle_connection_is_given_up_a_second_before_a_common_server_closes_it():
+    """uvicorn (the fake merchant's server, and many a merchant's) closes a connection idle for its keep-alive.
+
+    Bug caught: the client's keep-alive equal to the server's (5 s, as until
+    2026-12-05), so that a connection picked just before the server's timer
+    ends is closed under the POST: the POST fails as a `connection` error and
+    its events wait for their retries (seen in `make
+    bench-webhook-instructions`: a list of 16 events).
+    """
+    servers = inspect.signature(uvicorn.Config.__init__).parameters["timeout_keep_alive"].default
+    assert http1.KEEP_ALIVE_SECONDS <= servers - 1
 
 
 class Held(Merchant):
