@@ -437,11 +437,11 @@ class Batch:
     full: bool  # more may be waiting right now: read again without a pause
 
 
-# How many events a read may look at for each webhook it may send: events of
+# How many events a read may look at for each event it may send: events of
 # clients without an endpoint are passed over, and should not leave a
-# batch's slots unused. It stops at the first event it has no slot for, so
-# where most events are webhooks to send it looks at few more than its
-# slots; whatever it does not return stays in the database and is read
+# batch's slots unused. It stops at the first event past those it asked
+# for, so where most events are webhooks to send it looks at few more than
+# it sends; whatever it does not return stays in the database and is read
 # again next time.
 READ_AHEAD = 4
 
