@@ -142,17 +142,18 @@ class SecretsBody(BaseModel):
 LIST_TYPE = "event.list"
 
 
-def _references(body: bytes) -> list[str]:
-    """The payments' references, for matching the fault plan (read before, and whatever, the signature says):
-    the event's, or each listed event's in a list POST."""
+def peek(body: bytes) -> tuple[int, list[str]]:
+    """How many events the body carries (1 if it cannot be read), and their payments' references, for the
+    log of POSTs and for matching the fault plan (read before, and whatever, the signature says): the
+    event's, or each listed event's in a list POST. An event of no payment (a batch's) has no reference."""
     try:
         parsed = json.loads(body)
         data = parsed["data"]
         items = data["events"] if parsed.get("type") == LIST_TYPE else [parsed]
         references = [(item.get("data") or {}).get("reference") for item in items]
     except (ValueError, KeyError, TypeError, AttributeError):
-        return []
-    return [r for r in references if isinstance(r, str)]
+        return 1, []
+    return len(items), [r for r in references if isinstance(r, str)]
 
 
 def _events(payload: dict[str, Any], webhook_id: str) -> list[tuple[str, dict[str, Any]]]:
@@ -198,12 +199,12 @@ def create_app(database_url: str, secrets: list[str] | None = None) -> FastAPI:
     async def receive(request: Request) -> JSONResponse:
         body = await request.body()
         headers = dict(request.headers)
-        references = _references(body)
+        events, references = peek(body)
         seq = await pool().fetchval(
             "INSERT INTO fake_merchant.received (webhook_id, webhook_timestamp, reference, events) "
             "VALUES ($1, $2, $3, $4) RETURNING seq",
             headers.get("webhook-id"), headers.get("webhook-timestamp"), references[0] if references else None,
-            max(1, len(references)),
+            events,
         )
         status, outcome, noted = 500, "error", False
         try:
