@@ -89,10 +89,11 @@ OUT = RESULTS / "callgrind"
 PATIENCE_SECONDS = 300.0
 # How often the dispatcher's process looks for the next marker file (its only work besides the dispatcher's).
 MARKER_POLL_SECONDS = 0.05
-# This process's own poll for the window's end, which pg_stat_statements sees beside the dispatcher's statements.
 # The cursor's patience with a batch's POSTs inside the process under callgrind (`drive`).
 CALLGRIND_PATIENCE_SECONDS = 60.0
+# This process's own poll for the window's end, which pg_stat_statements sees beside the dispatcher's statements.
 DELIVERED_SQL = "SELECT count(*) FROM webhook_delivery WHERE state = 'delivered'"
+# Attempts that were not delivered the first time: a window with any has no figure (`one_window`).
 AGAIN_SQL = ("SELECT count(*), coalesce(error_class, outcome) FROM webhook_attempt "
              "WHERE attempt > 1 OR outcome IS DISTINCT FROM 'delivered' GROUP BY 2")
 
