@@ -466,29 +466,25 @@ async def take(conn: AsyncConnection, *, limit: int, per_post: float = 1.0, leas
                                   dict(limit=read, sendable=sendable, lease_seconds=lease_seconds))
     if not rows:
         return None
-    token, to_send, last = rows[0]["lease_token"], [], rows[0]
-    posts, listed = 0, {}  # POSTs opened; each endpoint's events so far (its lists, as `together` cuts them)
-    out_of_posts = False
-    for r in rows:
-        # No endpoint: the client reads GET /v1/events; a removed endpoint's
-        # events are not sent (as its pending deliveries are cancelled).
-        if r["url"] is not None and not r["has_delivery"]:
-            size, before = r["events_per_post"], listed.get(r["client_id"], 0)
-            if before % size == 0:  # it opens a POST: alone, or the first of a list
-                if posts == limit:
-                    out_of_posts = True
-                    break
-                posts += 1
-            listed[r["client_id"]] = before + 1
-            to_send.append(Claimed(
-                event_id=r["event_id"], client_id=r["client_id"], attempt=1, due_attempt=1, lease_token=token,
-                url=r["url"], type=r["type"], data=r["data"], created_at=r["created_at"],
-                secret=r["secret_sealed"] and key.open_cached(r["secret_sealed"]),
-                previous_secret=r["previous_secret_sealed"] and key.open_cached(r["previous_secret_sealed"]),
-                events_per_post=size))
-        last = r
-    return Batch(token, last["written_by"], last["event_id"], to_send,
-                 full=out_of_posts or len(to_send) == sendable or len(rows) == read)
+    token = rows[0]["lease_token"]
+    # No endpoint: the client reads GET /v1/events; a removed endpoint's
+    # events are not sent (as its pending deliveries are cancelled).
+    candidates = {r["event_id"]: Claimed(
+        event_id=r["event_id"], client_id=r["client_id"], attempt=1, due_attempt=1, lease_token=token,
+        url=r["url"], type=r["type"], data=r["data"], created_at=r["created_at"],
+        secret=r["secret_sealed"] and key.open_cached(r["secret_sealed"]),
+        previous_secret=r["previous_secret_sealed"] and key.open_cached(r["previous_secret_sealed"]),
+        events_per_post=r["events_per_post"],
+    ) for r in rows if r["url"] is not None and not r["has_delivery"]}
+    posts = together(list(candidates.values()))
+    kept = rows
+    if len(posts) > limit:  # the batch ends before the event that opens the first POST past its slots
+        first_past = posts[limit][0].event_id
+        kept = rows[:next(i for i, r in enumerate(rows) if r["event_id"] == first_past)]
+    last = kept[-1]
+    return Batch(token, last["written_by"], last["event_id"],
+                 [candidates[r["event_id"]] for r in kept if r["event_id"] in candidates],
+                 full=len(posts) > limit or len(candidates) == sendable or len(rows) == read)
 
 
 async def move(conn: AsyncConnection, batch: Batch, finished: list[Attempted], in_flight: list[Claimed], *,
