@@ -22,9 +22,11 @@ each run's backend writes its counts as it exits. Instructions per payment
 = (the 110 run's - the 10 run's) / 100, so a connection's start (its
 catalogue caches) and end cancel out. pgbench also opens a connection of
 its own first, which runs no payment; the run's backend is the one that
-wrote rows. Each script runs twice; the repeats must agree within 1%, else
-NO FIGURE and exit 1. Statements are prepared, with the service's session
-settings (`plan_cache_mode`), as bench/db_parts.py runs them.
+wrote rows. Each script runs once uncounted (so that its tables' pages
+are in shared buffers for every counted run), then twice; the repeats must
+agree within 1%, else NO FIGURE and exit 1. Statements are prepared, with
+the service's session settings (`plan_cache_mode`), as bench/db_parts.py
+runs them.
 
 Where they go: callgrind_annotate's inclusive counts of a few of the
 server's functions, per payment, the same difference of the two runs:
@@ -49,8 +51,15 @@ server's functions, per payment, the same difference of the two runs:
     ExecInitAppend         the scan of a partitioned table set up: a scan of
                            each partition its pruning leaves
 
+Any variant of bench/db_parts.py (`--variant NAME`, again for more) is
+counted the same way beside them, on a database of its schema: what
+taking one part out of a payment, or changing the schema under it, saves
+in instructions, where db_parts measures it in the server's CPU, which
+drifts with the machine. Shares do not add up exactly, as there.
+
 Needs valgrind (apt-get install valgrind) and callgrind_annotate beside it
-(without it, the totals only). About a minute.
+(without it, the totals only). About a minute, and half a minute more for
+each variant.
 """
 
 from __future__ import annotations
@@ -178,9 +187,26 @@ def annotate(path: Path) -> dict[str, int] | None:
     return inclusive(out)
 
 
-def measure(repeats: int, tolerance: float) -> None:
+def databases(names: tuple[str, ...]) -> dict[str, str]:
+    """The database each named script runs on, by its schema (bench/db_parts.py's SCHEMAS): {name: database}.
+
+    The head's schema is db_parts' own database; another schema gets one of its own, named by its place
+    among the schemas.
+    """
+    schema_of = {v.name: v.database for v in db_parts.VARIANTS}
+    unknown = [name for name in names if name not in schema_of]
+    if unknown:
+        raise NoFigure(f"no such variant of bench/db_parts.py: {', '.join(unknown)}")
+    number = {schema: n for n, schema in enumerate(db_parts.SCHEMAS)}
+    return {name: db_parts.DATABASE if schema_of[name] == "head" else f"{db_parts.DATABASE}_{number[schema_of[name]]}"
+            for name in names}
+
+
+def measure(repeats: int, tolerance: float, variants: tuple[str, ...] = ()) -> None:
     if shutil.which("valgrind") is None:
         raise NoFigure("valgrind is not installed (apt-get install valgrind)")
+    names = SCRIPTS + tuple(v for v in variants if v not in SCRIPTS)
+    on = databases(names)
     root = Path(os.environ.get("PAYMENTS_DATA_DIR", Path.cwd() / ".data")).resolve()
     server = embedded_db.EmbeddedServer(root / "postgres-server-instructions", free_port())
     folder = root / "server-callgrind"
@@ -193,10 +219,15 @@ def measure(repeats: int, tolerance: float) -> None:
         embedded_db.ensure_reachable(folder)
         os.chown(folder, pwd.getpwnam(user).pw_uid, pwd.getpwnam(user).pw_gid)
     embedded_db.start(server)
-    url = server.url(db_parts.DATABASE)
+    urls = {name: server.url(database) for name, database in on.items()}
+    schema_of = {on[v.name]: v.database for v in db_parts.VARIANTS if v.name in on}  # {database: its schema}
     try:
-        embedded_db.create_database(server.url(), db_parts.DATABASE, recreate=True)
-        api_key = db_parts.prepare(url, "head")
+        # The head's first: its client's API key is the one every recorded script sends.
+        api_key = None
+        for database in sorted(schema_of, key=lambda d: d != db_parts.DATABASE):
+            embedded_db.create_database(server.url(), database, recreate=True)
+            api_key = db_parts.prepare(server.url(database), schema_of[database], api_key)
+        assert api_key
         files, _ = db_parts.write_scripts(api_key)
     finally:
         embedded_db.stop(server)
@@ -209,7 +240,7 @@ def measure(repeats: int, tolerance: float) -> None:
          "-k", str(server.data_dir), *(arg for name, value in QUIET for arg in ("-c", f"{name}={value}"))],
         user=user, stdout=subprocess.DEVNULL, stderr=(log := open(folder / "server.log", "w")),
     )
-    figures: dict[str, list[float]] = {name: [] for name in SCRIPTS}
+    figures: dict[str, list[float]] = {name: [] for name in names}
     parts: dict[str, dict[str, float]] = {}
     try:
         deadline = time.monotonic() + 300
@@ -219,10 +250,15 @@ def measure(repeats: int, tolerance: float) -> None:
             if postmaster.poll() is not None or time.monotonic() > deadline:
                 raise NoFigure(f"the server did not start under valgrind; see {folder / 'server.log'}")
             time.sleep(0.2)  # polling for the port
-        asyncio.run(_quiet(url))
+        asyncio.run(_quiet(urls["as is"]))
+        # A run of each script first, not counted: the first backend to run a script after the server's
+        # start reads its tables' and catalogues' pages into shared buffers, which the later ones find
+        # there, and only its window of 10 would pay for that (by about 2% of that window's count).
+        for name in names:
+            run_pgbench(binary, urls[name], files[name], WINDOWS[0], folder)
         for repeat in range(1, repeats + 1):
-            for name in SCRIPTS:
-                fewer, more = (run_pgbench(binary, url, files[name], n, folder) for n in WINDOWS)
+            for name in names:
+                fewer, more = (run_pgbench(binary, urls[name], files[name], n, folder) for n in WINDOWS)
                 counts = [Count(n, 0, callgrind_total(p.read_text())) for n, p in zip(WINDOWS, (fewer, more))]
                 figures[name].append(per_unit(*counts))
                 print(f"{name}, repeat {repeat}: {counts[0].instructions:,} and {counts[1].instructions:,} "
@@ -235,27 +271,36 @@ def measure(repeats: int, tolerance: float) -> None:
         postmaster.terminate()
         postmaster.wait(timeout=120)
         log.close()
-    per_payment = {name: agreed(name, figures[name], tolerance) for name in SCRIPTS}
+    per_payment = {name: agreed(name, figures[name], tolerance) for name in names}
+    width = max(map(len, names))
     print("\nthe server's instructions per new payment (callgrind, one backend, windows of 10 and 110)")
-    for name in SCRIPTS:
-        print(f"  {name:>10}: {per_payment[name]:12,.0f}  (repeats within {spread(figures[name]):.2%})")
+    for name in names:
+        print(f"  {name:>{width}}: {per_payment[name]:12,.0f}  (repeats within {spread(figures[name]):.2%})")
     print(f"  as is ÷ naive twin: {per_payment['as is'] / per_payment['naive twin']:.3f}")
+    for name in names[len(SCRIPTS):]:
+        saved = per_payment["as is"] - per_payment[name]
+        print(f"  {name:>{width}}: ÷ as is {per_payment[name] / per_payment['as is']:.3f}, so the part costs "
+              f"{saved:,.0f} ({saved / per_payment['as is']:.1%}); ÷ naive twin "
+              f"{per_payment[name] / per_payment['naive twin']:.3f}")
     if not parts:
         print("no callgrind_annotate: no split by function")
         return
-    print(f"\n{'inclusive, per payment':>24}  {'as is':>12}  {'naive twin':>12}")
+    print(f"\n{'inclusive, per payment':>24}  " + "  ".join(f"{n:>19}" for n in names))
     for f in FUNCTIONS:
         print(f"{f:>24}  " + "  ".join(f"{parts[n][f]:12,.0f} ({parts[n][f] / parts[n]['PostgresMain']:4.0%})"
-                                         for n in SCRIPTS))
+                                         for n in names))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tolerance", type=float, default=0.01)
+    parser.add_argument("--variant", action="append", default=[], metavar="VARIANT",
+                        choices=[v.name for v in db_parts.VARIANTS if v.name not in SCRIPTS],
+                        help="also count this variant of bench/db_parts.py beside `as is` (again for more)")
     args = parser.parse_args()
     try:
-        measure(args.repeats, args.tolerance)
+        measure(args.repeats, args.tolerance, tuple(args.variant))
     except NoFigure as exc:
         print(f"NO FIGURE: {exc}", file=sys.stderr)
         raise SystemExit(1) from exc

@@ -129,6 +129,7 @@ def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str
         "claim: the insert alone": ours,
         "no timeline": ours,
         "no advance": ours,
+        "rules in functions": ours,
         "naive twin": {"naive.payment": 3, "naive.ledger_entry": 15},
     }
     assert timelines == {"as is": [3] * PAYMENTS, "no timeline": [1] * PAYMENTS, "no advance": [2] * PAYMENTS,
@@ -141,6 +142,22 @@ def test_each_variant_pays_and_leaves_out_only_its_part(databases: dict[str, str
     indexes = "SELECT count(*) FROM pg_index WHERE indrelid = 'payment'::regclass"
     assert _value(databases["head"], indexes) == 3 and _value(databases["payment key only"], indexes) == 1
     assert _value(databases["before 0014"], indexes) == 4
+    # The rules between a row's columns: five CHECKs on the head's three tables, one a table calling its
+    # function on the other schema; and that schema still refuses what they refuse.
+    checks = ("SELECT string_agg(pg_get_constraintdef(oid), ' | ' ORDER BY conname) FROM pg_constraint "
+              "WHERE contype = 'c' AND conrelid IN ('payment'::regclass, 'ledger_entry'::regclass, "
+              "'idempotency_key'::regclass)")
+    assert _value(databases["head"], checks).count("CHECK") == 5
+    assert _value(databases["rules in functions"], checks) == (
+        "CHECK (key_rules_hold((state)::text, response_code, (response_body)::text)) | "
+        "CHECK (leg_rules_hold((debit_minor)::bigint, (credit_minor)::bigint)) | "
+        "CHECK (payment_rules_hold((amount_minor)::bigint, (fee_minor)::bigint, (net_minor)::bigint, "
+        "refunded_minor, (status)::text, holds_reference))")
+    for broken in ("UPDATE payment SET fee_minor = fee_minor + 1", "UPDATE payment SET refunded_minor = amount_minor + 1",
+                   "UPDATE payment SET holds_reference = false", "UPDATE ledger_entry SET credit_minor = debit_minor",
+                   "UPDATE idempotency_key SET response_code = NULL"):
+        with pytest.raises(asyncpg.CheckViolationError):
+            _value(databases["rules in functions"], broken)
     last_day = "SELECT key_table_last_day() - key_table_day()"
     assert _value(databases["head"], last_day) == 1
     assert _value(databases["before 0015"], "SELECT CAST(key_table_last_day() = 'infinity' AS int)") == 1

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from bench.instructions import NoFigure
-from bench.server_instructions import inclusive, the_runs_backend
+from bench import db_parts
+from bench.server_instructions import databases, inclusive, the_runs_backend
 
 # callgrind_annotate --inclusive=yes, as it prints the embedded server's functions (shortened).
 ANNOTATED = """\
@@ -38,3 +39,15 @@ def test_the_runs_backend_is_the_one_that_wrote_rows_and_two_such_are_no_figure(
     assert the_runs_backend({Path("a"): pgbench_setup, Path("b"): client}) == Path("b")
     with pytest.raises(NoFigure):
         the_runs_backend({Path("b"): client, Path("c"): client})
+
+
+def test_each_variant_is_counted_on_a_database_of_its_own_schema():
+    """The head's scripts share db_parts' database; a variant that changes the schema gets its own, one per
+    schema. Bugs caught: a schema variant counted on the head's tables (its change never made), two
+    schemas on one database, a misspelt variant counted as nothing."""
+    on = databases(("as is", "naive twin", "no lookup", "rules in functions", "2 key partitions"))
+
+    assert on["as is"] == on["naive twin"] == on["no lookup"] == db_parts.DATABASE
+    assert len({on["as is"], on["rules in functions"], on["2 key partitions"]}) == 3
+    with pytest.raises(NoFigure, match="no such variant"):
+        databases(("as is", "no such part"))
