@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.instructions import NoFigure
 from bench import db_parts
+from bench.instructions import NoFigure
 from bench.server_instructions import databases, inclusive, the_runs_backend
 
 # callgrind_annotate --inclusive=yes, as it prints the embedded server's functions (shortened).
