@@ -129,10 +129,8 @@ def _settings():
 def _secrets_key(settings) -> str:
     """WEBHOOK_SECRETS_KEY, or a clear refusal (exit 2): webhook secrets are sealed with it."""
     if settings.webhook_secrets_key is None:
-        console.print("WEBHOOK_SECRETS_KEY is not set: webhook signing secrets are sealed with it "
-                      "(generate one: openssl rand -base64 32 | tr '+/' '-_')",
-                      style="red", soft_wrap=True, markup=False, highlight=False)
-        raise typer.Exit(2)
+        raise _refuse("WEBHOOK_SECRETS_KEY is not set: webhook signing secrets are sealed with it "
+                      "(generate one: openssl rand -base64 32 | tr '+/' '-_')")
     return settings.webhook_secrets_key.get_secret_value()
 
 
@@ -189,10 +187,8 @@ def serve(factory: str, host: str, port: int, workers: int, *, metered: bool = T
         except OSError as exc:
             if made_dir is not None:
                 multiproc.remove(made_dir)
-            Console(stderr=True).print(f"cannot serve metrics on API_METRICS_HOST:API_METRICS_PORT "
-                          f"({settings.api_metrics_host}:{settings.api_metrics_port}): {exc.strerror or exc}",
-                          style="red", soft_wrap=True, markup=False, highlight=False)
-            raise typer.Exit(2) from None
+            raise _refuse(f"cannot serve metrics on API_METRICS_HOST:API_METRICS_PORT "
+                          f"({settings.api_metrics_host}:{settings.api_metrics_port}): {exc.strerror or exc}") from None
     import logging
 
     import uvicorn
@@ -312,8 +308,7 @@ def reconcile(
     try:
         window = date.fromisoformat(day) if day else reconciliation.yesterday()
     except ValueError:
-        console.print(f"[red]--date must be YYYY-MM-DD, not {day!r}[/]")
-        raise typer.Exit(2) from None
+        raise _refuse(f"--date must be YYYY-MM-DD, not {day!r}") from None
 
     async def go() -> dict | None:
         async with open_services(settings) as services:
@@ -322,8 +317,7 @@ def reconcile(
     try:
         counts = asyncio.run(go())
     except reconciliation.StatementUnavailable as exc:
-        console.print(f"[red]the rail's statement is unavailable ({exc}); the window stays open, try again[/]")
-        raise typer.Exit(1) from None
+        raise _refuse(f"the rail's statement is unavailable ({exc}); the window stays open, try again", 1) from None
     if counts is None:
         console.print(f"window {window} is already reconciled, or a run for it is in progress (see scheduled_run)")
         return
@@ -579,6 +573,7 @@ def clients_remove_webhook(
 
 
 @clients_cli.command("reseal-webhook-secrets")
+@_uses_database
 def clients_reseal_webhook_secrets() -> None:
     """Seal every webhook signing secret again under the first key of WEBHOOK_SECRETS_KEY (a key rotation's step)."""
     from cryptography.fernet import InvalidToken
@@ -590,10 +585,8 @@ def clients_reseal_webhook_secrets() -> None:
     try:
         count = reseal_webhook_secrets(url, key)
     except InvalidToken:
-        console.print("a webhook secret is sealed with none of the keys in WEBHOOK_SECRETS_KEY: nothing changed "
-                      "(keep the old key after the new one until every secret is resealed)",
-                      style="red", soft_wrap=True, markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        raise _refuse("a webhook secret is sealed with none of the keys in WEBHOOK_SECRETS_KEY: nothing changed "
+                      "(keep the old key after the new one until every secret is resealed)") from None
     console.print(f"{count} webhook endpoints resealed under the first key; the others can now be dropped")
 
 
@@ -608,15 +601,12 @@ def events_redeliver(event_id: str) -> None:
     try:
         eid = uuid.UUID(event_id)
     except ValueError:
-        console.print(f"not an event id: {event_id!r}", style="red", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        raise _refuse(f"not an event id: {event_id!r}") from None
     status, found = redeliver_event(_database_url(), eid)
     if status == "no-event":
-        console.print(f"no event {eid}", style="red")
-        raise typer.Exit(1)
+        raise _refuse(f"no event {eid}", 1)
     if status == "no-endpoint":
-        console.print(f"event {eid}'s client has no webhook endpoint (payments clients set-webhook)", style="red")
-        raise typer.Exit(1)
+        raise _refuse(f"event {eid}'s client has no webhook endpoint (payments clients set-webhook)", 1)
     if status == "pending":
         console.print(f"event {eid} is already pending delivery (next attempt at {found['next_attempt_at']:%Y-%m-%d %H:%M:%S})")
         return
@@ -636,8 +626,7 @@ def events_list(
     from app.outbox import delivery
 
     if state not in (None, "pending", "delivered", "dead", "cancelled"):
-        console.print("--state is pending, delivered, dead or cancelled", style="red")
-        raise typer.Exit(2)
+        raise _refuse("--state is pending, delivered, dead or cancelled")
     rows = on_database(_database_url(), lambda engine: read(engine, delivery.deliveries, state, limit))
     if not rows:
         console.print("no deliveries" + (f" in state {state}" if state else ""))
@@ -664,8 +653,7 @@ def events_attempts(event_id: str) -> None:
     try:
         eid = uuid.UUID(event_id)
     except ValueError:
-        console.print(f"not an event id: {event_id!r}", style="red", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        raise _refuse(f"not an event id: {event_id!r}") from None
     rows = on_database(_database_url(), lambda engine: read(engine, delivery.attempts, eid))
     if not rows:
         console.print(f"no delivery attempts of event {eid}")

@@ -23,8 +23,9 @@ from devtools.system import System
 PASSWORD = "s3cret-first-hour"
 COMMANDS = [
     ("breaks",), ("events", "list"), ("keys", "reap", "--dry-run"), ("clients", "create", "acme"),
-    ("reconcile",), ("migrate",),
+    ("clients", "reseal-webhook-secrets"), ("reconcile",), ("migrate",),
 ]
+DOWN = f"postgresql://payments:{PASSWORD}@127.0.0.1:1/payments"  # nothing listens on port 1
 
 
 async def payments(*args: str, database_url: str, **env: str) -> tuple[int, str, str]:
@@ -39,7 +40,9 @@ async def payments(*args: str, database_url: str, **env: str) -> tuple[int, str,
 
 
 async def each(commands, database_url: str) -> list[tuple[tuple[str, ...], int, str, str]]:
-    results = await asyncio.gather(*(payments(*command, database_url=database_url) for command in commands))
+    # The key is set for every command: resealing the secrets needs it before it looks at the database.
+    results = await asyncio.gather(*(payments(*command, database_url=database_url, WEBHOOK_SECRETS_KEY=SECRETS_KEY)
+                                     for command in commands))
     return [(command, *result) for command, result in zip(commands, results)]
 
 
@@ -58,10 +61,22 @@ def with_password(url: str, database: str) -> str:
 
 
 async def test_with_the_database_down_each_command_says_so_in_one_line():
-    url = f"postgresql://payments:{PASSWORD}@127.0.0.1:1/payments"  # nothing listens on port 1
-
-    for command, code, out, err in await each(COMMANDS, url):
+    for command, code, out, err in await each(COMMANDS, DOWN):
         assert_one_line(command, code, out, err, "cannot reach the database at postgresql://payments:***@127.0.0.1:1/payments")
+
+
+@pytest.mark.parametrize("command, expected", [
+    (("events", "redeliver", "nope"), "not an event id: 'nope'"),
+    (("events", "attempts", "nope"), "not an event id: 'nope'"),
+    (("events", "list", "--state", "lost"), "--state is pending, delivered, dead or cancelled"),
+    (("reconcile", "--date", "[b]yesterday"), "--date must be YYYY-MM-DD, not '[b]yesterday'"),  # shown as given
+    (("clients", "reseal-webhook-secrets"), "WEBHOOK_SECRETS_KEY is not set"),
+])
+async def test_a_bad_argument_is_refused_in_one_line_on_stderr_before_the_database(command, expected):
+    # The database is down: a refusal that looked at it first would name it instead.
+    code, out, err = await payments(*command, database_url=DOWN)
+
+    assert_one_line(command, code, out, err, expected)
 
 
 async def test_on_a_database_not_migrated_each_command_says_to_run_migrate(system: System, server_url: str):
@@ -85,7 +100,7 @@ async def test_with_a_wrong_url_each_command_says_what_is_wrong(url, expected, s
 
 
 async def test_the_api_says_it_started_and_that_the_database_does_not_answer():
-    url = f"postgresql://payments:{PASSWORD}@127.0.0.1:1/payments"
+    url = DOWN
     process = await asyncio.create_subprocess_exec(
         str(BIN / "payments"), "api", "--port", str(free_port()),
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "DATABASE_URL": url,
