@@ -1,6 +1,6 @@
 """Submitting a batch, as POST /v1/payment-batches and `payments batches submit` do: validate, fingerprint, matrix.
 
-    file with a bad row (any)          -> 422 invalid-batch, every bad row listed, nothing stored
+    file with a bad row (any)          -> 400 invalid-batch, every bad row listed, nothing stored
     new key                            -> the batch, its rows and outbox stored -> 202
     key exists, same file              -> the stored 202, byte for byte (Idempotent-Replayed)
     key exists, another file, or
@@ -39,7 +39,7 @@ def fingerprint(reference: str, rows: list[BatchRow]) -> bytes:
 
 
 def validated(client_id: int, reference: str, body: bytes, media_type: str) -> list[BatchRow]:
-    """The file's rows, or 422 invalid-batch listing every bad row (nothing stored)."""
+    """The file's rows, or 400 invalid-batch listing every bad row (nothing stored)."""
     try:
         return parse(client_id, reference, body, media_type)
     except BadBatch as bad:
