@@ -82,6 +82,7 @@ from devtools import embedded_db
 from devtools.processes import free_port
 
 SCRIPTS = ("as is", "naive twin")
+SCHEMA_OF = {v.name: v.database for v in db_parts.VARIANTS}  # {a script's name: the schema it runs on}
 WINDOWS = (10, 110)
 # What would make one payment's count depend on what ran before it, not on the payment: autovacuum's
 # work, and full-page images (the first change to each page after a checkpoint writes the whole page to
@@ -193,12 +194,11 @@ def databases(names: tuple[str, ...]) -> dict[str, str]:
     The head's schema is db_parts' own database; another schema gets one of its own, named by its place
     among the schemas.
     """
-    schema_of = {v.name: v.database for v in db_parts.VARIANTS}
-    unknown = [name for name in names if name not in schema_of]
+    unknown = [name for name in names if name not in SCHEMA_OF]
     if unknown:
         raise NoFigure(f"no such variant of bench/db_parts.py: {', '.join(unknown)}")
     number = {schema: n for n, schema in enumerate(db_parts.SCHEMAS)}
-    return {name: db_parts.DATABASE if schema_of[name] == "head" else f"{db_parts.DATABASE}_{number[schema_of[name]]}"
+    return {name: db_parts.DATABASE if SCHEMA_OF[name] == "head" else f"{db_parts.DATABASE}_{number[SCHEMA_OF[name]]}"
             for name in names}
 
 
@@ -220,7 +220,7 @@ def measure(repeats: int, tolerance: float, variants: tuple[str, ...] = ()) -> N
         os.chown(folder, pwd.getpwnam(user).pw_uid, pwd.getpwnam(user).pw_gid)
     embedded_db.start(server)
     urls = {name: server.url(database) for name, database in on.items()}
-    schema_of = {on[v.name]: v.database for v in db_parts.VARIANTS if v.name in on}  # {database: its schema}
+    schema_of = {database: SCHEMA_OF[name] for name, database in on.items()}  # {database: its schema}
     try:
         # The head's first: its client's API key is the one every recorded script sends.
         api_key = None
