@@ -47,6 +47,16 @@ CPU ms per payment, per process
     /proc gives in clock ticks of 10 ms: a database session that works
     2 ms a second reads 0 or 10 ms over a 5 s window, and such a session is
     the whole of some figures (the webhook dispatcher's, bench/outbox.py).
+
+Wake-ups per payment, per process of ours (not PostgreSQL's)
+    How often each process went to sleep and was woken again (its main
+    thread's voluntary context switches, where the event loop waits): an
+    asyncio server woken once for a burst of requests pays once for the
+    wake-up, one woken per request pays each time. So a process's CPU per
+    payment depends on how its requests arrive, not only on what it does
+    with them: the fakes run the same statements for either service, but
+    not at the same CPU a payment when one side's calls reach them less
+    bunched (docs/reference/performance.md says how much).
 """
 
 from __future__ import annotations
@@ -341,6 +351,7 @@ class CpuMark:
     others: dict[int, tuple[str, float]] = field(default_factory=dict)  # pid -> (name, CPU s): user processes
     kernel: dict[int, tuple[str, float]] = field(default_factory=dict)  # the same for kernel threads
     machine: float = 0.0
+    wakeups: dict[str, dict[int, int]] = field(default_factory=dict)  # role -> pid -> voluntary switches so far
 
 
 def cpu_of(process: psutil.Process) -> float | None:
@@ -359,6 +370,14 @@ def cpu_of(process: psutil.Process) -> float | None:
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
     return times.user + times.system
+
+
+def wakeups_of(process: psutil.Process) -> int | None:
+    """How many times so far the process's main thread slept and was woken (voluntary context switches)."""
+    try:
+        return process.num_ctx_switches().voluntary
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
 
 
 def _process_cpu_clock(pid: int) -> int:
@@ -400,6 +419,7 @@ class CpuMeter:
         mark.seconds[LOAD_GENERATOR] = {os.getpid(): cpu_of(psutil.Process()) or 0.0}
         for role, processes in roles.items():
             mark.seconds[role] = {p.pid: s for p in processes if (s := cpu_of(p)) is not None}
+            mark.wakeups[role] = {p.pid: w for p in processes if (w := wakeups_of(p)) is not None}
         if self.postmaster is not None:
             databases = dict(await self.conn.fetch("SELECT pid, datname FROM pg_stat_activity"))
             for process in [self.postmaster, *self.postmaster.children()]:
@@ -431,6 +451,12 @@ class CpuMeter:
         spent[KERNEL] = machine - sum(v for k, v in spent.items() if k not in PG_PARTS.values())
         spent[MACHINE] = machine
         return spent
+
+    @staticmethod
+    def woken(before: CpuMark, after: CpuMark) -> dict[str, int]:
+        """Wake-ups per role between the marks (the roles passed to `mark`, not PostgreSQL's processes)."""
+        return {role: sum(w - before.wakeups.get(role, {}).get(pid, 0) for pid, w in pids.items())
+                for role, pids in after.wakeups.items()}
 
     @staticmethod
     def split(before: CpuMark, after: CpuMark, role: str, pids: set[int]) -> list[float]:

@@ -193,6 +193,7 @@ class Measured:
     wal: WalCount | str = "not measured"
     xact_delta: int | None = None
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds by process during the run
+    wakeups: dict[str, int] = field(default_factory=dict)  # wake-ups by process of ours during the run
     api_split: list[float] = field(default_factory=list)  # the CPU seconds of each of the API's worker processes
     api_connections: list[int] = field(default_factory=list)  # the clients' connections each worker held at the end
     others: list[tuple[str, float]] = field(default_factory=list)  # the busiest processes not ours
@@ -230,6 +231,7 @@ class Measured:
             "api_connections_by_process": self.api_connections,
             "cpu_seconds_busiest_other_processes": dict(self.others),
             "cpu_ms_per_operation": {k: round(v * 1000 / n, 3) if n else None for k, v in self.cpu.items()},
+            "wakeups": self.wakeups,
             "machine_busy_percent": round(100 * self.cpu.get(costs.MACHINE, 0.0)
                                           / (self.result.elapsed * (os.cpu_count() or 1)), 1)
             if self.result.elapsed else None,
@@ -569,6 +571,7 @@ class Bench:
             end_lsn = await self.wal.end()
         timings["run"] = lap()
         measured = Measured(kind, workers, round_, warm, result, cpu=CpuMeter.spent(before, after),
+                            wakeups=CpuMeter.woken(before, after),
                             api_split=CpuMeter.split(before, after, "API", {p.pid for p in api.workers()}),
                             api_connections=held,
                             others=CpuMeter.busiest_others(before, after))

@@ -1,4 +1,4 @@
-"""The bench's CPU reading of a process: to well under a millisecond, all its threads together.
+"""The bench's CPU reading of a process: to well under a millisecond, all its threads together; and its wake-ups.
 
 The bench judges some figures by a few milliseconds of one process's CPU
 (the webhook dispatcher's database sessions in a 5 s round, bench/outbox.py).
@@ -15,7 +15,7 @@ import textwrap
 import psutil
 import pytest
 
-from bench.costs import cpu_of
+from bench.costs import CpuMark, CpuMeter, cpu_of, wakeups_of
 
 # A child that runs until its own CPU clock reads 5 ms past a tick of 10 ms,
 # part of it in a second thread, says what its clock reads, and then waits
@@ -60,3 +60,43 @@ def test_a_process_that_is_gone_has_no_reading():
     child.wait()
 
     assert cpu_of(process) is None
+
+
+# A child that, each time it is told to, sleeps 1 ms `times` times (each a
+# wake-up), says so, and waits on its stdin for the next word.
+_SLEEPER = textwrap.dedent(
+    """
+    import sys, time
+
+    for line in sys.stdin:
+        for _ in range(int(line)):
+            time.sleep(0.001)
+        print("slept", flush=True)
+    """
+)
+
+
+def test_a_process_wake_ups_are_counted_each_sleep_once():
+    child = subprocess.Popen([sys.executable, "-c", _SLEEPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    process = psutil.Process(child.pid)
+    try:
+        child.stdin.write("0\n")
+        child.stdin.flush()
+        child.stdout.readline()  # started
+        before = wakeups_of(process)
+        child.stdin.write("200\n")
+        child.stdin.flush()
+        child.stdout.readline()
+        after = wakeups_of(process)
+    finally:
+        child.communicate("")
+    assert before is not None and after is not None
+    # 200 sleeps, and a few more at most: for the line it read, if it was not there yet, and its answer.
+    assert 200 <= after - before <= 230, (before, after)
+
+
+def test_wake_ups_between_two_marks_are_added_up_by_role_a_new_process_from_zero():
+    before = CpuMark(wakeups={"fake PSP": {10: 100}, "API": {20: 5, 21: 7}})
+    after = CpuMark(wakeups={"fake PSP": {10: 160}, "API": {20: 9, 21: 7, 22: 3}})
+
+    assert CpuMeter.woken(before, after) == {"fake PSP": 60, "API": 7}
