@@ -52,11 +52,11 @@ Wake-ups per payment, per process of ours (not PostgreSQL's)
     How often each process went to sleep and was woken again (its main
     thread's voluntary context switches, where the event loop waits): an
     asyncio server woken once for a burst of requests pays once for the
-    wake-up, one woken per request pays each time. So a process's CPU per
-    payment depends on how its requests arrive, not only on what it does
-    with them: the fakes run the same statements for either service, but
-    not at the same CPU a payment when one side's calls reach them less
-    bunched (docs/reference/performance.md says how much).
+    wake-up, one woken per request pays each time. The fakes run the same
+    statements for either service; this says whether the two sides' calls
+    reach them alike. They do not (the safe service's wake the fakes about
+    half as often again a payment), and docs/reference/performance.md says
+    what that costs them: little.
 """
 
 from __future__ import annotations

@@ -56,6 +56,8 @@ refunds/s beside new payments/s, and writing transactions per refund
     payment's refunded amount its refunds' sum.
 CPU ms per payment, by process
     See bench/costs.py: who spends the machine's two cores.
+wake-ups per payment, the API's and the fakes'
+    See bench/costs.py: whether the two sides' calls reach the fakes alike.
 the API's CPU by worker process, at 2 or more workers per API
     Each round's split between the worker processes, and the busiest's CPU ÷
     the idlest's: a worker left with few of the keep-alive connections
