@@ -4,7 +4,9 @@ Every command that works on DATABASE_URL is run for real (a subprocess)
 against a database it cannot use: none listening, one that is not migrated
 (a fresh empty database on the tests' server), and a URL that is wrong (not
 PostgreSQL, or naming a database that does not exist). Each must answer with
-one line on stderr naming the URL without its password, and exit 2.
+one line on stderr naming the URL without its password, and exit 2. A bad
+argument is refused the same way, one line on stderr, before the database
+is asked anything.
 """
 
 from __future__ import annotations
@@ -100,10 +102,9 @@ async def test_with_a_wrong_url_each_command_says_what_is_wrong(url, expected, s
 
 
 async def test_the_api_says_it_started_and_that_the_database_does_not_answer():
-    url = DOWN
     process = await asyncio.create_subprocess_exec(
         str(BIN / "payments"), "api", "--port", str(free_port()),
-        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "DATABASE_URL": url,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "DATABASE_URL": DOWN,
              "API_METRICS_PORT": str(free_port()), "LOG_FORMAT": "console"},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )
