@@ -62,8 +62,8 @@ def test_a_process_that_is_gone_has_no_reading():
     assert cpu_of(process) is None
 
 
-# A child that, each time it is told to, sleeps 1 ms `times` times (each a
-# wake-up), says so, and waits on its stdin for the next word.
+# A child that reads a number from its stdin, sleeps 1 ms that many times
+# (each sleep a wake-up), says so, and waits on its stdin for the next one.
 _SLEEPER = textwrap.dedent(
     """
     import sys, time
