@@ -57,6 +57,15 @@ Wake-ups per payment, per process of ours (not PostgreSQL's)
     reach them alike. They do not (the safe service's wake the fakes about
     half as often again a payment), and docs/reference/performance.md says
     what that costs them: little.
+
+The kernel's part and preemptions per payment, per process of ours
+    Where a process's CPU a payment went when it differs between the two
+    sides: the kernel's part (its system time; ticks of 10 ms are fine
+    for a fake's seconds in a round) is the work of its sockets and
+    wake-ups; the rest is its own code, which runs slower when it lands
+    on a CPU whose caches another process has just filled. Preemptions
+    (involuntary context switches, the main thread's) count how often it
+    was taken off a CPU while it still had work.
 """
 
 from __future__ import annotations
@@ -352,6 +361,8 @@ class CpuMark:
     kernel: dict[int, tuple[str, float]] = field(default_factory=dict)  # the same for kernel threads
     machine: float = 0.0
     wakeups: dict[str, dict[int, int]] = field(default_factory=dict)  # role -> pid -> voluntary switches so far
+    preempted: dict[str, dict[int, int]] = field(default_factory=dict)  # role -> pid -> involuntary switches so far
+    in_kernel: dict[str, dict[int, float]] = field(default_factory=dict)  # role -> pid -> system CPU s (ticks)
 
 
 def cpu_of(process: psutil.Process) -> float | None:
@@ -380,6 +391,22 @@ def wakeups_of(process: psutil.Process) -> int | None:
         return None
 
 
+def preempted_of(process: psutil.Process) -> int | None:
+    """How many times so far the process's main thread was taken off a CPU while it could still run."""
+    try:
+        return process.num_ctx_switches().involuntary
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def in_kernel_of(process: psutil.Process) -> float | None:
+    """CPU seconds so far that the kernel spent working for the process (its system time, in ticks)."""
+    try:
+        return process.cpu_times().system
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
 def _process_cpu_clock(pid: int) -> int:
     """The clock id of a process's CPU time, all its threads together, as Linux numbers it.
 
@@ -394,6 +421,11 @@ def _process_cpu_clock(pid: int) -> int:
 def _machine_busy() -> float:
     t = psutil.cpu_times()
     return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
+def _by_role(before: dict[str, dict[int, Any]], after: dict[str, dict[int, Any]]) -> dict[str, Any]:
+    """A count per role between two marks, summed over its processes; a process new since the first from zero."""
+    return {role: sum(n - before.get(role, {}).get(pid, 0) for pid, n in pids.items()) for role, pids in after.items()}
 
 
 class CpuMeter:
@@ -420,6 +452,8 @@ class CpuMeter:
         for role, processes in roles.items():
             mark.seconds[role] = {p.pid: s for p in processes if (s := cpu_of(p)) is not None}
             mark.wakeups[role] = {p.pid: w for p in processes if (w := wakeups_of(p)) is not None}
+            mark.preempted[role] = {p.pid: n for p in processes if (n := preempted_of(p)) is not None}
+            mark.in_kernel[role] = {p.pid: k for p in processes if (k := in_kernel_of(p)) is not None}
         if self.postmaster is not None:
             databases = dict(await self.conn.fetch("SELECT pid, datname FROM pg_stat_activity"))
             for process in [self.postmaster, *self.postmaster.children()]:
@@ -455,8 +489,17 @@ class CpuMeter:
     @staticmethod
     def woken(before: CpuMark, after: CpuMark) -> dict[str, int]:
         """Wake-ups per role between the marks (the roles passed to `mark`, not PostgreSQL's processes)."""
-        return {role: sum(w - before.wakeups.get(role, {}).get(pid, 0) for pid, w in pids.items())
-                for role, pids in after.wakeups.items()}
+        return _by_role(before.wakeups, after.wakeups)
+
+    @staticmethod
+    def preemptions(before: CpuMark, after: CpuMark) -> dict[str, int]:
+        """Times per role between the marks that a process was taken off a CPU while it could still run."""
+        return _by_role(before.preempted, after.preempted)
+
+    @staticmethod
+    def kernel_part(before: CpuMark, after: CpuMark) -> dict[str, float]:
+        """CPU seconds per role between the marks that the kernel spent working for the role's processes."""
+        return _by_role(before.in_kernel, after.in_kernel)
 
     @staticmethod
     def split(before: CpuMark, after: CpuMark, role: str, pids: set[int]) -> list[float]:

@@ -59,8 +59,9 @@ TARGETS = {
 
 
 DB_BACKENDS = PG_PARTS[SERVICE_DATABASE]  # the service database's backends, in the CPU table
-# The processes whose wake-ups per payment the table shows: the same fakes serve both services, so a difference
-# there is in how the calls reach them (bench/costs.py), not in what they do.
+# The processes whose wake-ups, preemptions and kernel's CPU per payment the table shows: the same fakes serve both
+# services, so a difference there is in how the calls reach them or the CPU they share (bench/costs.py), not in
+# what they do.
 WOKEN = ("API", "fake PSP", "fake rail")
 
 
@@ -105,12 +106,14 @@ def summarize_kind(runs: list[dict[str, Any]], latency: dict[str, Any]) -> dict[
     workers_own = workers_own_writes(by_tables)
     xact = [r["xact_commit"] for r in runs if r["xact_commit"]["delta"] is not None]
     cpu: dict[str, float] = {}
-    wakeups: dict[str, int] = {}
+    # Counts by process of ours, which results from before the bench recorded them lack.
+    counted: dict[str, dict[str, float]] = {"wakeups": {}, "preemptions": {}, "cpu_seconds_in_kernel": {}}
     for r in runs:
         for role, seconds in r["cpu_seconds"].items():
             cpu[role] = cpu.get(role, 0.0) + seconds
-        for role, count in r.get("wakeups", {}).items():  # not in results from before 2026-12-05's night
-            wakeups[role] = wakeups.get(role, 0) + count
+        for key, sums in counted.items():
+            for role, count in r.get(key, {}).items():
+                sums[role] = sums.get(role, 0) + count
     complete = len(walled) == len(runs)
     return {
         "rounds": len(runs),
@@ -130,7 +133,9 @@ def summarize_kind(runs: list[dict[str, Any]], latency: dict[str, Any]) -> dict[
         "wal_bytes_all": _per(sum(w["wal_bytes_all"] for w in walled), wal_n) if complete else None,
         "xact_commit": _per(sum(x["delta"] for x in xact), sum(x["operations"] for x in xact)),
         "cpu_ms": {role: _per(seconds, n, 1000) for role, seconds in cpu.items()},
-        "wakeups": {role: _per(count, n) for role, count in wakeups.items()},
+        "wakeups": {role: _per(count, n) for role, count in counted["wakeups"].items()},
+        "preemptions": {role: _per(count, n) for role, count in counted["preemptions"].items()},
+        "cpu_ms_in_kernel": {role: _per(s, n, 1000) for role, s in counted["cpu_seconds_in_kernel"].items()},
         "machine_busy_percent": mean(r["machine_busy_percent"] or 0 for r in runs),
         "api_split_percent": [_split(r["cpu_seconds_api_by_process"]) for r in runs],
         "api_balance": [balance(r["cpu_seconds_api_by_process"]) for r in runs],
@@ -354,10 +359,12 @@ def print_block(results: dict[str, Any], block: dict[str, Any]) -> None:
     table.add_row("xact_commit per payment (read-only too)", fmt((phased or {}).get("xact_commit"), 2),
                   fmt((naive or {}).get("xact_commit"), 2), "")
     _cpu_rows(table, [phased, naive], "payment")
-    for role in WOKEN:
-        if any(role in (k or {}).get("wakeups", {}) for k in (phased, naive)):
-            table.add_row(f"wake-ups per payment: {role}", *[fmt((k or {}).get("wakeups", {}).get(role), 2)
-                                                             for k in (phased, naive)], "")
+    for key, label in (("cpu_ms_in_kernel", "of the CPU ms, the kernel's"), ("wakeups", "wake-ups"),
+                       ("preemptions", "preemptions")):
+        for role in WOKEN:
+            if any(role in (k or {}).get(key, {}) for k in (phased, naive)):
+                table.add_row(f"{label} per payment: {role}", *[fmt((k or {}).get(key, {}).get(role), 2)
+                                                                 for k in (phased, naive)], "")
     table.add_row("machine busy (both CPUs = 100%)", fmt((phased or {}).get("machine_busy_percent"), 0, "%"),
                   fmt((naive or {}).get("machine_busy_percent"), 0, "%"), "")
     if w > 1:

@@ -196,6 +196,8 @@ class Measured:
     xact_delta: int | None = None
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds by process during the run
     wakeups: dict[str, int] = field(default_factory=dict)  # wake-ups by process of ours during the run
+    preemptions: dict[str, int] = field(default_factory=dict)  # times taken off a CPU with work left, the same
+    kernel: dict[str, float] = field(default_factory=dict)  # the kernel's CPU seconds for each process of ours
     api_split: list[float] = field(default_factory=list)  # the CPU seconds of each of the API's worker processes
     api_connections: list[int] = field(default_factory=list)  # the clients' connections each worker held at the end
     others: list[tuple[str, float]] = field(default_factory=list)  # the busiest processes not ours
@@ -234,6 +236,8 @@ class Measured:
             "cpu_seconds_busiest_other_processes": dict(self.others),
             "cpu_ms_per_operation": {k: round(v * 1000 / n, 3) if n else None for k, v in self.cpu.items()},
             "wakeups": self.wakeups,
+            "preemptions": self.preemptions,
+            "cpu_seconds_in_kernel": {k: round(v, 3) for k, v in self.kernel.items()},
             "machine_busy_percent": round(100 * self.cpu.get(costs.MACHINE, 0.0)
                                           / (self.result.elapsed * (os.cpu_count() or 1)), 1)
             if self.result.elapsed else None,
@@ -574,6 +578,8 @@ class Bench:
         timings["run"] = lap()
         measured = Measured(kind, workers, round_, warm, result, cpu=CpuMeter.spent(before, after),
                             wakeups=CpuMeter.woken(before, after),
+                            preemptions=CpuMeter.preemptions(before, after),
+                            kernel=CpuMeter.kernel_part(before, after),
                             api_split=CpuMeter.split(before, after, "API", {p.pid for p in api.workers()}),
                             api_connections=held,
                             others=CpuMeter.busiest_others(before, after))

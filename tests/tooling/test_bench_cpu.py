@@ -1,4 +1,4 @@
-"""The bench's CPU reading of a process: to well under a millisecond, all its threads together; and its wake-ups.
+"""The bench's CPU reading of a process: to well under a millisecond, all its threads together; its wake-ups and the kernel's part.
 
 The bench judges some figures by a few milliseconds of one process's CPU
 (the webhook dispatcher's database sessions in a 5 s round, bench/outbox.py).
@@ -15,7 +15,7 @@ import textwrap
 import psutil
 import pytest
 
-from bench.costs import CpuMark, CpuMeter, cpu_of, wakeups_of
+from bench.costs import CpuMark, CpuMeter, cpu_of, in_kernel_of, wakeups_of
 
 # A child that runs until its own CPU clock reads 5 ms past a tick of 10 ms,
 # part of it in a second thread, says what its clock reads, and then waits
@@ -100,3 +100,49 @@ def test_wake_ups_between_two_marks_are_added_up_by_role_a_new_process_from_zero
     after = CpuMark(wakeups={"fake PSP": {10: 160}, "API": {20: 9, 21: 7, 22: 3}})
 
     assert CpuMeter.woken(before, after) == {"fake PSP": 60, "API": 7}
+
+
+def test_the_kernels_part_and_the_preemptions_between_two_marks_are_added_up_by_role_too():
+    before = CpuMark(in_kernel={"fake PSP": {10: 1.5}}, preempted={"fake PSP": {10: 40}})
+    after = CpuMark(in_kernel={"fake PSP": {10: 1.75, 11: 0.25}}, preempted={"fake PSP": {10: 45, 11: 2}})
+
+    assert CpuMeter.kernel_part(before, after) == {"fake PSP": 0.5}
+    assert CpuMeter.preemptions(before, after) == {"fake PSP": 7}
+
+
+# A child that spends about 0.3 s of CPU either in the kernel (copying zeros
+# out of /dev/zero: each read is the kernel's work) or in its own code (a
+# spin), says so, and waits on its stdin.
+_WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+
+    zeros = os.open("/dev/zero", os.O_RDONLY)
+    while time.process_time() < 0.3:  # reading the clock is a system call: not on every turn of the spin
+        if sys.argv[1] == "kernel":
+            os.read(zeros, 1 << 20)
+        else:
+            sum(range(100_000))
+    print("done", flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/zero and the system time as Linux keeps them")
+@pytest.mark.parametrize("where", ["kernel", "own code"])
+def test_the_kernels_part_of_a_process_cpu_is_its_system_time_not_its_user_time(where):
+    child = subprocess.Popen([sys.executable, "-c", _WORKER, where], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        child.stdout.readline()  # blocks until the child has spent its 0.3 s
+        process = psutil.Process(child.pid)
+        in_kernel, total = in_kernel_of(process), cpu_of(process)
+    finally:
+        child.communicate("")
+    assert in_kernel is not None and total is not None
+    # In ticks of 10 ms, and Python's own start is some of either; the split is far from even both ways.
+    if where == "kernel":
+        assert in_kernel > 0.6 * total, (in_kernel, total)
+    else:
+        assert in_kernel < 0.2 * total, (in_kernel, total)
