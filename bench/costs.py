@@ -54,9 +54,9 @@ Wake-ups per payment, per process of ours (not PostgreSQL's)
     asyncio server woken once for a burst of requests pays once for the
     wake-up, one woken per request pays each time. The fakes run the same
     statements for either service; this says whether the two sides' calls
-    reach them alike. They do not (the safe service's wake the fakes about
-    half as often again a payment), and docs/reference/performance.md says
-    what that costs them: little.
+    reach them alike. They do not (the safe service's calls wake the fakes
+    more often a payment), and docs/reference/performance.md says what
+    that costs them: little.
 
 The kernel's part and preemptions per payment, per process of ours
     Where a process's CPU a payment went when it differs between the two

@@ -62,7 +62,7 @@ DB_BACKENDS = PG_PARTS[SERVICE_DATABASE]  # the service database's backends, in 
 # The processes whose wake-ups, preemptions and kernel's CPU per payment the table shows: the same fakes serve both
 # services, so a difference there is in how the calls reach them or the CPU they share (bench/costs.py), not in
 # what they do.
-WOKEN = ("API", "fake PSP", "fake rail")
+COUNTED_APART = ("API", "fake PSP", "fake rail")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -361,7 +361,7 @@ def print_block(results: dict[str, Any], block: dict[str, Any]) -> None:
     _cpu_rows(table, [phased, naive], "payment")
     for key, label in (("cpu_ms_in_kernel", "of the CPU ms, the kernel's"), ("wakeups", "wake-ups"),
                        ("preemptions", "preemptions")):
-        for role in WOKEN:
+        for role in COUNTED_APART:
             if any(role in (k or {}).get(key, {}) for k in (phased, naive)):
                 table.add_row(f"{label} per payment: {role}", *[fmt((k or {}).get(key, {}).get(role), 2)
                                                                  for k in (phased, naive)], "")
