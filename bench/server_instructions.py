@@ -253,7 +253,7 @@ def measure(repeats: int, tolerance: float, variants: tuple[str, ...] = ()) -> N
         asyncio.run(_quiet(urls["as is"]))
         # A run of each script first, not counted: the first backend to run a script after the server's
         # start reads its tables' and catalogues' pages into shared buffers, which the later ones find
-        # there, and only its window of 10 would pay for that (by about 2% of that window's count).
+        # there, and only its window of 10 would pay for that (docs/reference/performance.md has by how much).
         for name in names:
             run_pgbench(binary, urls[name], files[name], WINDOWS[0], folder)
         for repeat in range(1, repeats + 1):
