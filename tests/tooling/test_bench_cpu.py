@@ -1,4 +1,6 @@
-"""The bench's CPU reading of a process: to well under a millisecond, all its threads together; its wake-ups and the kernel's part.
+"""The bench's CPU reading of a process: to well under a millisecond, all its threads together.
+
+And its wake-ups, preemptions and the kernel's part of its CPU, added up by role between two marks.
 
 The bench judges some figures by a few milliseconds of one process's CPU
 (the webhook dispatcher's database sessions in a 5 s round, bench/outbox.py).
