@@ -32,9 +32,8 @@ the time, webhooks or not: a deployment without endpoints runs them too. So
 the worker's CPU while idle is measured first (`IDLE_SECONDS` with no load),
 and that rate times each round's length is taken off the worker's CPU in
 the round; the figures keep both. The database sessions are told apart by
-their client port: the ports of each process's connections to the server
-against pg_stat_activity. A server reached over a Unix socket has no client
-ports: the figure is then n/a, not a guess.
+their client port (bench/sessions.py). A server reached over a Unix socket
+has no client ports: the figure is then n/a, not a guess.
 """
 
 from __future__ import annotations
@@ -42,16 +41,12 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import asyncpg
-import psutil
 
-from app.config import libpq_url
-from bench.costs import cpu_of
 from bench.load import Load, RunResult
+from bench.sessions import Meter
 from bench.system import Service
 
 # How long a round waits for the dispatcher to deliver the round's webhooks.
@@ -59,66 +54,6 @@ DRAIN_WAIT_SECONDS = 60.0
 # How long the worker's CPU is watched with nothing to do, before the rounds.
 IDLE_SECONDS = 5.0
 SIDES = ("without", "with")
-
-
-def _session_cpu(pid: int) -> float | None:
-    try:
-        return cpu_of(psutil.Process(pid))
-    except psutil.Error:  # the session ended between the listing and the read
-        return None
-
-
-@dataclass
-class Mark:
-    """CPU seconds so far: each role's processes, and every database session (by backend pid)."""
-
-    processes: dict[str, dict[int, float]] = field(default_factory=dict)
-    sessions: dict[int, float] = field(default_factory=dict)
-    owner: dict[int, str] = field(default_factory=dict)  # backend pid -> role
-
-
-class Meter:
-    """CPU marks of the roles (`without`, `with`, `worker`) and of their database sessions."""
-
-    def __init__(self, conn: asyncpg.Connection, server_url: str, roles: dict[str, Service]) -> None:
-        self.conn, self.roles = conn, roles
-        self.server_port = urlsplit(libpq_url(server_url)).port or 5432
-
-    async def mark(self) -> Mark:
-        mark = Mark()
-        ports: dict[int, str] = {}
-        for role, service in self.roles.items():
-            tree = service.tree()
-            mark.processes[role] = {p.pid: s for p in tree if (s := cpu_of(p)) is not None}
-            for process in tree:
-                try:
-                    connections = process.net_connections(kind="tcp")
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-                for c in connections:
-                    if c.raddr and c.raddr.port == self.server_port:
-                        ports[c.laddr.port] = role
-        await self.conn.execute("SELECT pg_stat_clear_snapshot()")
-        for pid, port in await self.conn.fetch(
-                "SELECT pid, client_port FROM pg_stat_activity WHERE backend_type = 'client backend'"):
-            if (seconds := _session_cpu(pid)) is not None:
-                mark.sessions[pid] = seconds
-                if port in ports:
-                    mark.owner[pid] = ports[port]
-        return mark
-
-    @staticmethod
-    def spent(before: Mark, after: Mark, role: str) -> tuple[float, float]:
-        """CPU seconds of the role's processes, and of its sessions, between the marks.
-
-        A session that opened after `before` counts from zero: all of its CPU
-        was spent in between.
-        """
-        processes = sum(s - before.processes.get(role, {}).get(pid, 0.0)
-                        for pid, s in after.processes.get(role, {}).items())
-        sessions = sum(s - before.sessions.get(pid, 0.0)
-                       for pid, s in after.sessions.items() if after.owner.get(pid) == role)
-        return processes, sessions
 
 
 async def applied(merchant: asyncpg.Connection) -> int:

@@ -274,7 +274,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "exactly_once_pass": all(r["exactly_once"]["pass"] for r in results["runs"]) and bool(results["runs"])
         and all(side["exactly_once"]["pass"] for side in results.get("watching_side_by_side", {}).values())
         and all(p["exactly_once"]["pass"] for side in results.get("outbox_side_by_side", {}).values()
-                for p in outbox_passes(side)),
+                for p in outbox_passes(side))
+        and all(side["exactly_once"]["pass"] for side in results.get("rate_at_once", {}).values()),
     }
 
 
@@ -597,12 +598,36 @@ NOTES = [
 ]
 
 
+def print_rate_at_once(results: dict[str, Any]) -> None:
+    """bench/rate_at_once.py's rounds, per worker count: the rate and the costs with both sides at the same moments."""
+    steps = results.get("rate_at_once", {})
+    if not steps:
+        return
+    table = Table(title="new payments, the phased service and the naive twin at once (bench/rate_at_once.py; not "
+                        "judged): medians of the rounds", title_justify="left")
+    for column in ("workers", "figure", "phased", "naive", "phased ÷ naive (the rounds')"):
+        table.add_column(column, justify="left" if column == "figure" else "right")
+    for workers, step in steps.items():
+        f, m = step["figures"], step["figures"]["medians"]
+        rows = (("payments/s", "per_second", 1, "rate_ratio"),
+                ("the service's CPU ms a payment", "service_ms", 3, "cpu_ratio"),
+                ("  its API's", "api_ms", 3, None),
+                ("  its database sessions'", "sessions_ms", 3, "db_ratio"),
+                ("  its worker's, with its sessions", "worker_ms", 3, None))
+        for label, part, digits, ratio in rows:
+            rounds = ", ".join(fmt(r[ratio], 2) for r in f["rounds"]) if ratio else ""
+            table.add_row(workers, label, fmt(m["phased"].get(part), digits), fmt(m["naive"].get(part), digits),
+                          f"{fmt(f[ratio], 3)} ({rounds})" if ratio else "")
+    console.print(table)
+
+
 def print_report(results: dict[str, Any]) -> None:
     for block in results["blocks"]:
         print_block(results, block)
     if results["ceiling"]:
         print_ceiling(results)
     print_targets(results)
+    print_rate_at_once(results)
     print_setup(results)
     for note in NOTES:
         console.print(f"[dim]- {note}[/]")
@@ -631,9 +656,9 @@ def print_report(results: dict[str, Any]) -> None:
             if not c["ok"]:
                 console.print(f"[red]FAIL[/] {run['workers']}w round {run['round']} {run['kind']}: "
                               f"{c['check']}: {c['detail']}")
-    for step in ("watching_side_by_side", "outbox_side_by_side"):
+    for step in ("watching_side_by_side", "outbox_side_by_side", "rate_at_once"):
         for workers, side in results.get(step, {}).items():
-            for p in outbox_passes(side):  # a watching step has one pass
+            for p in outbox_passes(side):  # a watching step, or the rate's at once, has one pass
                 for c in p["exactly_once"]["checks"]:
                     console.print(f"[red]FAIL[/] {workers}w {step.replace('_', ' ')}: {c['check']}: {c['detail']}")
     verdict = "[bold green]PASS[/]" if results["exactly_once_pass"] else "[bold red]FAIL[/]"

@@ -23,6 +23,13 @@ new payments/s and p50 / p99 latency, phased vs naive, and their ratio
     and the service database's backends spending no more CPU per payment
     than the twin's. p99 shows the queueing that a mean hides; the ratio's
     min-max over the rounds is the run-to-run spread.
+new payments, the phased service and the naive twin at once (not judged)
+    The rounds above alternate, and a host whose speed moves between rounds
+    favours whichever side its quick rounds fall to. After them, both run
+    at the same moments, each with half of the clients (bench/rate_at_once.py):
+    each side's payments/s and the service's own CPU per payment (its API,
+    its database sessions, and for the phased service its worker), with
+    the host's moves shared by both.
 new payments/s with webhooks, and its ratio to the phased service without
     The outbox's cost: the "webhooks" variant is the phased service paid by
     a client with a webhook endpoint, so every payment also writes its event
@@ -56,8 +63,9 @@ refunds/s beside new payments/s, and writing transactions per refund
     payment's refunded amount its refunds' sum.
 CPU ms per payment, by process
     See bench/costs.py: who spends the machine's two cores.
-wake-ups per payment, the API's and the fakes'
-    See bench/costs.py: whether the two sides' calls reach the fakes alike.
+the kernel's part of the CPU, wake-ups and preemptions per payment, the API's and the fakes'
+    See bench/costs.py: whether the two sides' calls reach the fakes alike, and
+    where a process's CPU went when it differs between them.
 the API's CPU by worker process, at 2 or more workers per API
     Each round's split between the worker processes, and the busiest's CPU ÷
     the idlest's: a worker left with few of the keep-alive connections
@@ -70,7 +78,8 @@ exactly-once
     See bench/checks.py: checked after every run; FAIL exits with status 1.
 
 How it runs (most of the time is the measured runs: with three rounds, the earlier default, it took
-20-25 minutes on a 2-CPU machine; now five; `--rate-only` runs the rounds of phased and naive alone,
+20-25 minutes on a 2-CPU machine; now five; `--rate-only` runs the rounds of phased and naive alone, and
+both at once,
 `--outbox-only` the side-by-side rounds with and without webhooks alone, with a warm-up of their own):
 
     create payments_bench and payments_bench_rails; start the fake PSP and rail
@@ -83,10 +92,14 @@ How it runs (most of the time is the measured runs: with three rounds, the earli
         while a worker's dispatcher delivers to the fake merchant):
             warm-up (not counted); the measured run; the exactly-once check;
             idle until PostgreSQL has published its statistics
+        new payments, phased and naive at once (bench/rate_at_once.py): a
+        warm-up, then 6 rounds of half a measured run, each side checked;
+        idle until PostgreSQL has published their statistics
         replays of each one's last finished keys: 3 s of each, not counted
-        (settling); then in the order watched, unwatched, unwatched,
-        watched, unwatched, watched, watched, unwatched, a quarter of the
-        replay time each: warm-up, run, check
+        (settling), and idle until PostgreSQL has published them; then in
+        the order watched, unwatched, unwatched, watched, unwatched,
+        watched, watched, unwatched, a quarter of the replay time each:
+        warm-up, run, check
         the same replays, watched and unwatched at once on one CPU
         (bench/watching.py): 8 rounds, the watching target for replays
         new payments with and without webhooks at once (bench/outbox.py),
@@ -134,7 +147,7 @@ import typer
 
 from app.admin import create_client
 from app.outbox.endpoints import MAX_EVENTS_PER_POST
-from bench import batches, ceiling, costs, outbox, report, watching
+from bench import batches, ceiling, costs, outbox, rate_at_once, report, watching
 from bench.checks import Check, exactly_once, refunds_check, replays_check
 from bench.costs import STATS_SETTLE_SECONDS, CpuMeter, Wal, WalCount
 from bench.load import Load, Paid, RunResult, latency_ms, refund_order
@@ -157,6 +170,9 @@ SIDE_BY_SIDE_ROUNDS = 8
 # Rounds of new payments with and without webhooks at once (bench/outbox.py),
 # each a quarter of a measured run.
 OUTBOX_ROUNDS = 6
+# Rounds of new payments through the phased service and the naive twin at once
+# (bench/rate_at_once.py), each half a measured run: a reading beside the rate.
+RATE_AT_ONCE_ROUNDS = rate_at_once.ROUNDS
 # The fake merchant's endpoint in those rounds: first one event a POST, then
 # up to this many in one POST (docs/outbox-inbox.md#several-events-in-one-post),
 # the pass the outbox's target judges. As many as one read of the
@@ -265,6 +281,7 @@ class Bench:
         self.runs: list[Measured] = []
         self.side_by_side: dict[str, dict[str, Any]] = {}  # by worker count
         self.outbox: dict[str, dict[str, Any]] = {}  # by worker count
+        self.rate_at_once: dict[str, dict[str, Any]] = {}  # by worker count
         self.settled = 0  # xact_commit when PostgreSQL last published everything
 
     async def __call__(self) -> dict[str, Any]:
@@ -294,6 +311,7 @@ class Bench:
             "runs": [m.to_json() for m in self.runs],
             "watching_side_by_side": self.side_by_side,
             "outbox_side_by_side": self.outbox,
+            "rate_at_once": self.rate_at_once,
             "pooled_latency_ms": self.pooled_latency(),
             "ceiling": ceiling_figures,
             "batches": batch_figures,
@@ -339,6 +357,7 @@ class Bench:
                     last[variant] = measured.result.paid
                     if variant in (PHASED, UNWATCHED):
                         refundable += measured.warm.paid + measured.result.paid
+            await self.rate_side_by_side(services, workers)
             if p.rate_only:
                 return
             # Replays, watched and unwatched, in the order A B B A B A A B,
@@ -354,6 +373,7 @@ class Bench:
                     return
                 async with Load(services[variant].url, self.dbs.api_key, p.concurrency) as load:
                     await load.replays(last[variant][:REPLAY_KEYS], SETTLE_REPLAY_SECONDS)
+            await self.settle_statistics(workers)  # the first measured replays' xact_commit: theirs, not these
             replay_rounds: Counter[str] = Counter()
             order = (PHASED, UNWATCHED, UNWATCHED, PHASED, UNWATCHED, PHASED, PHASED, UNWATCHED)
             for variant in order:
@@ -368,6 +388,53 @@ class Bench:
             await self.watching_side_by_side(services, last, workers)
             await self.outbox_side_by_side(services, workers)
             await self.refund_round(services[PHASED], refundable, workers)
+
+    async def settle_statistics(self, workers: int) -> None:
+        """Idle until PostgreSQL has published every commit so far, and count from there.
+
+        A measured run's xact_commit is the difference from the count when
+        the statistics last settled; work that is not a measured run (the
+        steps side by side, the replays that settle the APIs) would otherwise
+        be charged to the next one.
+        """
+        with console.status(f"[{workers}w] idling {STATS_SETTLE_SECONDS:g} s for PostgreSQL's statistics"):
+            await asyncio.sleep(STATS_SETTLE_SECONDS)
+            self.settled = await costs.xact_commit(self.conn)
+
+    async def rate_side_by_side(self, services: dict[str, Service], workers: int) -> None:
+        """New payments through the phased service and the naive twin at once (bench/rate_at_once.py).
+
+        Not judged: the rate's target is the median of the alternating
+        rounds above. Here both sides share every moment of the machine, so
+        a host that changes speed between rounds cannot favour either.
+        """
+        both = {"phased": services[PHASED], "naive": services[NAIVE]}
+        seconds = max(1.0, self.params.duration / 2)
+        half = max(1, self.params.concurrency // 2)
+        with console.status(f"[{workers}w] new payments, phased and naive at once: "
+                            f"{RATE_AT_ONCE_ROUNDS} rounds of {seconds:g} s"):
+            async with Load(both["phased"].url, self.dbs.api_key, half) as phased, \
+                    Load(both["naive"].url, self.dbs.api_key, half) as naive:
+                figures, results = await rate_at_once.side_by_side(
+                    both, self.worker, {"phased": phased, "naive": naive}, self.server.url, RATE_AT_ONCE_ROUNDS,
+                    seconds)
+            checks: list[Check] = []
+            for side, variant in (("phased", PHASED), ("naive", NAIVE)):
+                for result in results[side]:
+                    checks += await exactly_once(variant, self.dbs.service_url, self.dbs.rails_url,
+                                                 self.dbs.client_id, result)
+        self.rate_at_once[str(workers)] = {"rounds": RATE_AT_ONCE_ROUNDS, "seconds": seconds, "figures": figures,
+                                           "exactly_once": verdict(checks)}
+        if not self.params.rate_only:  # the replays' xact_commit after this must be theirs alone
+            await self.settle_statistics(workers)
+        m = figures["medians"]
+        console.print(f"[{workers}w] new payments, phased and naive at once: payments/s phased ÷ naive "
+                      f"{report.fmt(figures['rate_ratio'], 3)} ({report.fmt(m['phased'].get('per_second'))} ÷ "
+                      f"{report.fmt(m['naive'].get('per_second'))}); the service's CPU per payment "
+                      f"{report.fmt(m['phased'].get('service_ms'), 2)} ÷ {report.fmt(m['naive'].get('service_ms'), 2)} "
+                      f"ms, ratio {report.fmt(figures['cpu_ratio'], 3)}; its database sessions' ratio "
+                      f"{report.fmt(figures['db_ratio'], 3)} (medians of {RATE_AT_ONCE_ROUNDS} rounds); exactly-once "
+                      + ("ok" if all(c.ok for c in checks) else "[red]FAILED[/]"))
 
     async def watching_side_by_side(self, services: dict[str, Service], last: dict[str, list[Paid]],
                                     workers: int) -> None:
@@ -460,9 +527,7 @@ class Bench:
         theirs: the refunds' xact_commit is then theirs alone.
         """
         p = self.params
-        with console.status(f"[{workers}w] refunds: idling {STATS_SETTLE_SECONDS:g} s for PostgreSQL's statistics"):
-            await asyncio.sleep(STATS_SETTLE_SECONDS)
-            self.settled = await costs.xact_commit(self.conn)
+        await self.settle_statistics(workers)
         payments = refund_order(refundable)
         async with Load(api.url, self.dbs.api_key, p.concurrency) as load:
             measured = await self.measure(

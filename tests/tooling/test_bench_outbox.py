@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from bench.outbox import Mark, Meter, summary
+from bench.outbox import summary
+from bench.sessions import Mark, Meter
 
 
 def test_a_side_is_charged_its_processes_and_its_own_sessions_and_a_new_session_from_zero():
