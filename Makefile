@@ -127,7 +127,8 @@ bench-batch: $(STAMP)
 	$(BIN)/python -m bench.batches $(if $(filter command line environment,$(origin BATCH_ROWS)),--rows $(BATCH_ROWS))
 
 # Only the rounds that judge "faster than unsafe": phased and naive alternating, five rounds at 1 and 2
-# workers, the rate as the median of the rounds' ratios and the service database's CPU per payment.
+# workers, the rate as the median of the rounds' ratios and the service database's CPU per payment; then
+# both at once (bench/rate_at_once.py, not judged): the same figures with the host's speed shared by both.
 bench-rate: $(STAMP)
 	$(BIN)/python -m bench.run --rate-only
 
