@@ -8,8 +8,8 @@ round to the next by more than the two services differ by, and rounds one
 after the other take that out only when it is even over the run
 (docs/reference/performance.md has runs where it was not). Here the two run
 at once, each with half of the clients, as the outbox's cost is judged
-(bench/outbox.py): whatever slows the machine slows both alike, and the
-fakes and PostgreSQL serve both in the same moments.
+(bench/outbox.py): whatever slows the machine slows both alike, and
+PostgreSQL serves both in the same moments.
 
 Each round counts, per payment that succeeded on each side:
 
@@ -19,10 +19,22 @@ Each round counts, per payment that succeeded on each side:
              there is work; the twin has none
     naive    its API's CPU and its database sessions'
 
-and each side's payments per second. The fakes and PostgreSQL's
-background processes serve both and are charged to neither. A session is
-told apart by its client port (bench/sessions.py); over a Unix socket none
-is anyone's, and the database's figures are then n/a.
+and each side's payments per second. Each side calls a pair of fakes of
+its own (bench/run.py starts both APIs afresh for this step, each with a
+new pair), so the fakes' work is charged too, at the same moments:
+
+    fakes    the fake PSP's and the fake rail's CPU and their sessions',
+             and how often each was woken, per payment of the side that
+             called them
+
+and the side's whole work a payment is the service's and its fakes'. A
+fake does the same work for either side, so any difference there is what
+the side's calls make it do (more wake-ups, longer keys), not the host's
+pace: in rounds one after the other the two cannot be told apart.
+PostgreSQL's background processes and the load generator serve both and
+are charged to neither. A session is told apart by its client port
+(bench/sessions.py); over a Unix socket none is anyone's, and the
+database's figures are then n/a.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from bench.sessions import Mark, Meter
 from bench.system import Service
 
 SIDES = ("phased", "naive")
+FAKES = ("psp", "rail")
 ROUNDS = 6
 
 
@@ -45,15 +58,24 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
 
 
-async def side_by_side(apis: dict[str, Service], worker: Service | None, loads: dict[str, Load], server_url: str,
-                       count: int, seconds: float, warmup: float = 1.0
+def fake_role(side: str, fake: str) -> str:
+    """The Meter's name for one side's fake ("phased psp")."""
+    return f"{side} {fake}"
+
+
+async def side_by_side(apis: dict[str, Service], worker: Service | None, fakes: dict[str, dict[str, Service]],
+                       loads: dict[str, Load], server_url: str, count: int, seconds: float, warmup: float = 1.0
                        ) -> tuple[dict[str, Any], dict[str, list[RunResult]]]:
     """`count` rounds of new payments against both APIs at once: the figures, and each side's results to check.
 
-    Before the rounds, both sides run `warmup` seconds, not counted.
+    `fakes` is each side's own pair, by side and then "psp" and "rail"
+    (FAKES); a side left out is charged no fakes. Before the rounds, both
+    sides run `warmup` seconds, not counted.
     """
     conn = await asyncpg.connect(server_url)
-    meter = Meter(conn, server_url, {**apis, **({"worker": worker} if worker is not None else {})})
+    roles = {**apis, **({"worker": worker} if worker is not None else {}),
+             **{fake_role(side, fake): service for side, pair in fakes.items() for fake, service in pair.items()}}
+    meter = Meter(conn, server_url, roles)
     rounds: list[dict[str, Any]] = []
     results: dict[str, list[RunResult]] = {side: [] for side in SIDES}
     try:
@@ -73,7 +95,8 @@ def round_figures(before: Mark, after: Mark, ran: dict[str, RunResult]) -> dict[
     """One round's figures per payment on each side, and its phased ÷ naive ratios.
 
     The worker is the phased side's; the database's figures are n/a unless
-    the sessions could be told apart (some session is the twin's).
+    the sessions could be told apart (some session is the twin's). A side's
+    fakes, each with its sessions, are charged when the marks hold them.
     """
     mapped = any(after.owner.get(pid) == "naive" for pid in after.sessions)
     figures: dict[str, Any] = {}
@@ -86,11 +109,20 @@ def round_figures(before: Mark, after: Mark, ran: dict[str, RunResult]) -> dict[
             worker, worker_sessions = Meter.spent(before, after, "worker")
             f["worker_ms"] = round(1000 * (worker + worker_sessions) / n, 4) if mapped else None
         f["service_ms"] = round(f["api_ms"] + f["sessions_ms"] + (f.get("worker_ms") or 0.0), 4) if mapped else None
+        if all(fake_role(side, fake) in after.processes for fake in FAKES):
+            for fake in FAKES:
+                process, fake_sessions = Meter.spent(before, after, fake_role(side, fake))
+                f[f"{fake}_ms"] = round(1000 * (process + fake_sessions) / n, 4) if mapped else None
+                f[f"{fake}_wakeups"] = round(Meter.woken(before, after, fake_role(side, fake)) / n, 3)
+            f["fakes_ms"] = round(f["psp_ms"] + f["rail_ms"], 4) if mapped else None
+            f["whole_ms"] = round(f["service_ms"] + f["fakes_ms"], 4) if mapped else None
         figures[side] = f
     phased, naive = figures["phased"], figures["naive"]
     figures["rate_ratio"] = _ratio(phased["per_second"], naive["per_second"])
     figures["cpu_ratio"] = _ratio(phased["service_ms"], naive["service_ms"])
     figures["db_ratio"] = _ratio(phased["sessions_ms"], naive["sessions_ms"])
+    figures["fakes_ratio"] = _ratio(phased.get("fakes_ms"), naive.get("fakes_ms"))
+    figures["whole_ratio"] = _ratio(phased.get("whole_ms"), naive.get("whole_ms"))
     return figures
 
 
@@ -100,10 +132,12 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         present = [v for v in values if v is not None]
         return round(statistics.median(present), 4) if present else None
 
-    parts = ("per_second", "api_ms", "sessions_ms", "worker_ms", "service_ms")
+    parts = ("per_second", "api_ms", "sessions_ms", "worker_ms", "service_ms", "psp_ms", "rail_ms", "fakes_ms",
+             "whole_ms", "psp_wakeups", "rail_wakeups")
+    ratios = ("rate_ratio", "cpu_ratio", "db_ratio", "fakes_ratio", "whole_ratio")
     return {
         "rounds": rounds,
-        **{ratio: median([r[ratio] for r in rounds]) for ratio in ("rate_ratio", "cpu_ratio", "db_ratio")},
+        **{ratio: median([r.get(ratio) for r in rounds]) for ratio in ratios},
         "medians": {side: {part: median([r[side].get(part) for r in rounds]) for part in parts
                            if any(part in r[side] for r in rounds)} for side in SIDES},
     }

@@ -153,7 +153,7 @@ from bench.costs import STATS_SETTLE_SECONDS, CpuMeter, Wal, WalCount
 from bench.load import Load, Paid, RunResult, latency_ms, refund_order
 from bench.report import REFUNDS
 from bench.system import (
-    NAIVE, PHASED, RESULTS, UNWATCHED, WEBHOOKS, Databases, Server, Service, apis, console, database_server, fakes,
+    NAIVE, PHASED, RESULTS, UNWATCHED, WEBHOOKS, Databases, Server, Service, api, apis, console, database_server, fakes,
     merchant_and_worker, prepare_databases, register_webhook, running, set_events_per_post,
 )
 
@@ -357,7 +357,7 @@ class Bench:
                     last[variant] = measured.result.paid
                     if variant in (PHASED, UNWATCHED):
                         refundable += measured.warm.paid + measured.result.paid
-            await self.rate_side_by_side(services, workers)
+            await self.rate_side_by_side(workers)
             if p.rate_only:
                 return
             # Replays, watched and unwatched, in the order A B B A B A A B,
@@ -401,23 +401,33 @@ class Bench:
             await asyncio.sleep(STATS_SETTLE_SECONDS)
             self.settled = await costs.xact_commit(self.conn)
 
-    async def rate_side_by_side(self, services: dict[str, Service], workers: int) -> None:
+    async def rate_side_by_side(self, workers: int) -> None:
         """New payments through the phased service and the naive twin at once (bench/rate_at_once.py).
 
         Not judged: the rate's target is the median of the alternating
         rounds above. Here both sides share every moment of the machine, so
         a host that changes speed between rounds cannot favour either.
+        Each side calls a pair of fakes of its own, so that the fakes' work
+        can be charged to it: for this step both sides are started afresh,
+        each API with a new pair, alike. The worker stays the one of the
+        run, and is charged to the phased side.
         """
-        both = {"phased": services[PHASED], "naive": services[NAIVE]}
+        both: dict[str, Service] = {}
+        pairs: dict[str, dict[str, Service]] = {}
+        for side, variant in (("phased", PHASED), ("naive", NAIVE)):
+            psp, rail = fakes(self.dbs.rails_url, whose=f"{side} at once")
+            both[side] = api(self.dbs.service_url, psp, rail, workers, variant, whose="at once")
+            pairs[side] = {"psp": psp, "rail": rail}
         seconds = max(1.0, self.params.duration / 2)
         half = max(1, self.params.concurrency // 2)
-        with console.status(f"[{workers}w] new payments, phased and naive at once: "
-                            f"{RATE_AT_ONCE_ROUNDS} rounds of {seconds:g} s"):
+        started = [service for side in both for service in (pairs[side]["psp"], pairs[side]["rail"], both[side])]
+        with running(started), console.status(
+                f"[{workers}w] new payments, phased and naive at once: {RATE_AT_ONCE_ROUNDS} rounds of {seconds:g} s"):
             async with Load(both["phased"].url, self.dbs.api_key, half) as phased, \
                     Load(both["naive"].url, self.dbs.api_key, half) as naive:
                 figures, results = await rate_at_once.side_by_side(
-                    both, self.worker, {"phased": phased, "naive": naive}, self.server.url, RATE_AT_ONCE_ROUNDS,
-                    seconds)
+                    both, self.worker, pairs, {"phased": phased, "naive": naive}, self.server.url,
+                    RATE_AT_ONCE_ROUNDS, seconds)
             checks: list[Check] = []
             for side, variant in (("phased", PHASED), ("naive", NAIVE)):
                 for result in results[side]:
@@ -433,7 +443,10 @@ class Bench:
                       f"{report.fmt(m['naive'].get('per_second'))}); the service's CPU per payment "
                       f"{report.fmt(m['phased'].get('service_ms'), 2)} ÷ {report.fmt(m['naive'].get('service_ms'), 2)} "
                       f"ms, ratio {report.fmt(figures['cpu_ratio'], 3)}; its database sessions' ratio "
-                      f"{report.fmt(figures['db_ratio'], 3)} (medians of {RATE_AT_ONCE_ROUNDS} rounds); exactly-once "
+                      f"{report.fmt(figures['db_ratio'], 3)}; its fakes' {report.fmt(figures['fakes_ratio'], 3)}; "
+                      f"with its fakes {report.fmt(m['phased'].get('whole_ms'), 2)} ÷ "
+                      f"{report.fmt(m['naive'].get('whole_ms'), 2)} ms, ratio {report.fmt(figures['whole_ratio'], 3)} "
+                      f"(medians of {RATE_AT_ONCE_ROUNDS} rounds); exactly-once "
                       + ("ok" if all(c.ok for c in checks) else "[red]FAILED[/]"))
 
     async def watching_side_by_side(self, services: dict[str, Service], last: dict[str, list[Paid]],

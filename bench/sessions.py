@@ -1,4 +1,4 @@
-"""The CPU of a few services and of the database sessions each holds, at the same moments.
+"""The CPU of a few services, how often they were woken, and their database sessions' CPU, at the same moments.
 
 Some figures of the bench compare two services running at once, each with
 half of the clients, so that whatever slows the machine slows both alike:
@@ -19,7 +19,7 @@ import asyncpg
 import psutil
 
 from app.config import libpq_url
-from bench.costs import cpu_of
+from bench.costs import cpu_of, wakeups_of
 from bench.system import Service
 
 
@@ -32,9 +32,13 @@ def _session_cpu(pid: int) -> float | None:
 
 @dataclass
 class Mark:
-    """CPU seconds so far: each role's processes, and every database session (by backend pid)."""
+    """CPU seconds so far: each role's processes, and every database session (by backend pid).
+
+    And each role's processes' wake-ups so far (voluntary context switches).
+    """
 
     processes: dict[str, dict[int, float]] = field(default_factory=dict)
+    woken: dict[str, dict[int, int]] = field(default_factory=dict)
     sessions: dict[int, float] = field(default_factory=dict)
     owner: dict[int, str] = field(default_factory=dict)  # backend pid -> role
 
@@ -52,6 +56,7 @@ class Meter:
         for role, service in self.roles.items():
             tree = service.tree()
             mark.processes[role] = {p.pid: s for p in tree if (s := cpu_of(p)) is not None}
+            mark.woken[role] = {p.pid: w for p in tree if (w := wakeups_of(p)) is not None}
             for process in tree:
                 try:
                     connections = process.net_connections(kind="tcp")
@@ -81,3 +86,8 @@ class Meter:
         sessions = sum(s - before.sessions.get(pid, 0.0)
                        for pid, s in after.sessions.items() if after.owner.get(pid) == role)
         return processes, sessions
+
+    @staticmethod
+    def woken(before: Mark, after: Mark, role: str) -> int:
+        """How many times the role's processes were woken between the marks (a new process counts from zero)."""
+        return sum(w - before.woken.get(role, {}).get(pid, 0) for pid, w in after.woken.get(role, {}).items())

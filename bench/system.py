@@ -312,11 +312,16 @@ def _ended_by_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def fakes(rails_url: str) -> list[Service]:
-    """The fake PSP and the fake rail, keeping their records in the rails database."""
+def fakes(rails_url: str, whose: str = "") -> list[Service]:
+    """The fake PSP and the fake rail, keeping their records in the rails database.
+
+    `whose` names a pair apart from the first ("fake PSP for naive at
+    once"), in its name and its log.
+    """
     system = System()
-    return [Service.of(system.fake_process("psp", records_url=rails_url), "fake PSP"),
-            Service.of(system.fake_process("rail", records_url=rails_url), "fake rail")]
+    suffix = f" for {whose}" if whose else ""
+    return [Service.of(system.fake_process("psp", records_url=rails_url), f"fake PSP{suffix}"),
+            Service.of(system.fake_process("rail", records_url=rails_url), f"fake rail{suffix}")]
 
 
 def merchant_and_worker(dbs: Databases, psp: Service, rail: Service) -> list[Service]:
@@ -333,16 +338,18 @@ def merchant_and_worker(dbs: Databases, psp: Service, rail: Service) -> list[Ser
 def apis(service_url: str, psp: Service, rail: Service, workers: int) -> dict[str, Service]:
     """The phased service (`payments api`) watched and unwatched, and the naive twin (`naive-twin`),
     `workers` processes each."""
+    return {variant: api(service_url, psp, rail, workers, variant) for variant in VARIANTS}
+
+
+def api(service_url: str, psp: Service, rail: Service, workers: int, variant: str, whose: str = "") -> Service:
+    """One of `apis`: `variant`'s API calling `psp` and `rail`; `whose` names it apart ("phased API (1w) at once")."""
     system = System()
     system.database_url, system.psp, system.rail = service_url, psp, rail
     # uvicorn runs a single worker in its own process, and N > 1 in children of a master.
     processes = 1 if workers == 1 else workers + 1
     command = {PHASED: "api", UNWATCHED: "api", WEBHOOKS: "api", NAIVE: "naive-twin"}
-    return {
-        variant: Service.of(
-            system.api_process(command=command[variant], args=("--workers", str(workers)), **SETTINGS[variant]),
-            f"{variant} API ({workers}w)",
-            processes=processes,
-        )
-        for variant in VARIANTS
-    }
+    return Service.of(
+        system.api_process(command=command[variant], args=("--workers", str(workers)), **SETTINGS[variant]),
+        f"{variant} API ({workers}w){f' {whose}' if whose else ''}",
+        processes=processes,
+    )

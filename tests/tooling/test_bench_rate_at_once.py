@@ -50,3 +50,36 @@ def test_the_summary_is_the_median_of_the_rounds_ratios():
     assert figures["rate_ratio"] == 1.1
     assert figures["medians"]["phased"]["per_second"] == 22.0
     assert "worker_ms" not in figures["medians"]["naive"]
+
+
+def test_each_sides_fakes_are_charged_to_it_with_their_sessions_and_added_to_its_whole_work():
+    before, after = _marks(owned=True)
+    # The phased side's fakes spend 0.5 s of CPU (PSP 0.25 + a session 0.125, rail 0.125),
+    # the twin's 0.25 s (PSP 0.125 + a session 0.0625, rail 0.0625).
+    for side, psp, session, rail, pid in (("phased", 0.25, 0.125, 0.125, 20), ("naive", 0.125, 0.0625, 0.0625, 30)):
+        before.processes |= {f"{side} psp": {pid: 1.0}, f"{side} rail": {pid + 1: 1.0}}
+        after.processes |= {f"{side} psp": {pid: 1.0 + psp}, f"{side} rail": {pid + 1: 1.0 + rail}}
+        before.sessions[pid + 100], after.sessions[pid + 100] = 1.0, 1.0 + session
+        before.owner[pid + 100] = after.owner[pid + 100] = f"{side} psp"
+        # Woken 500 times for either side's payments, and a rail process new since the first mark 250 times.
+        before.woken |= {f"{side} psp": {pid: 100}}
+        after.woken |= {f"{side} psp": {pid: 600}, f"{side} rail": {pid + 1: 250}}
+
+    figures = round_figures(before, after, {"phased": _ran(250, 10.0), "naive": _ran(125, 10.0)})
+
+    phased, naive = figures["phased"], figures["naive"]
+    assert (phased["psp_ms"], phased["rail_ms"], phased["fakes_ms"]) == (1.5, 0.5, 2.0)
+    assert (naive["psp_ms"], naive["rail_ms"], naive["fakes_ms"]) == (1.5, 0.5, 2.0)
+    assert figures["fakes_ratio"] == 1.0, "the same work a payment, though the twin's fakes served half as many"
+    assert phased["whole_ms"] == phased["service_ms"] + 2.0 and naive["whole_ms"] == naive["service_ms"] + 2.0
+    assert figures["whole_ratio"] == round(phased["whole_ms"] / naive["whole_ms"], 4)
+    assert phased["sessions_ms"] == 1.0, "a fake's session is not the service's"
+    assert (phased["psp_wakeups"], naive["psp_wakeups"]) == (2.0, 4.0)
+    assert (phased["rail_wakeups"], naive["rail_wakeups"]) == (1.0, 2.0)
+
+
+def test_a_round_without_each_sides_fakes_charges_none():
+    figures = round_figures(*_marks(owned=True), {"phased": _ran(250, 10.0), "naive": _ran(200, 10.0)})
+
+    assert "fakes_ms" not in figures["phased"] and figures["whole_ratio"] is None
+    assert summary([figures])["whole_ratio"] is None
