@@ -26,10 +26,11 @@ new payments/s and p50 / p99 latency, phased vs naive, and their ratio
 new payments, the phased service and the naive twin at once (not judged)
     The rounds above alternate, and a host whose speed moves between rounds
     favours whichever side its quick rounds fall to. After them, both run
-    at the same moments, each with half of the clients (bench/rate_at_once.py):
-    each side's payments/s and the service's own CPU per payment (its API,
-    its database sessions, and for the phased service its worker), with
-    the host's moves shared by both.
+    at the same moments, each with half of the clients and a pair of fakes
+    of its own (bench/rate_at_once.py): each side's payments/s, the
+    service's own CPU per payment (its API, its database sessions, and for
+    the phased service its worker) and its fakes', with the host's moves
+    shared by both.
 new payments/s with webhooks, and its ratio to the phased service without
     The outbox's cost: the "webhooks" variant is the phased service paid by
     a client with a webhook endpoint, so every payment also writes its event
@@ -92,8 +93,9 @@ both at once,
         while a worker's dispatcher delivers to the fake merchant):
             warm-up (not counted); the measured run; the exactly-once check;
             idle until PostgreSQL has published its statistics
-        new payments, phased and naive at once (bench/rate_at_once.py): a
-        warm-up, then 6 rounds of half a measured run, each side checked;
+        new payments, phased and naive at once (bench/rate_at_once.py), both
+        APIs started afresh, each with a new pair of fakes: a warm-up, then
+        6 rounds of half a measured run, each side checked;
         idle until PostgreSQL has published their statistics
         replays of each one's last finished keys: 3 s of each, not counted
         (settling), and idle until PostgreSQL has published them; then in

@@ -1,4 +1,4 @@
-"""How bench/rate_at_once.py charges each side of a round: the worker to the safe service, sessions by their owner."""
+"""How bench/rate_at_once.py charges each side of a round: the worker to the safe service, sessions and fakes by owner."""
 
 from __future__ import annotations
 
