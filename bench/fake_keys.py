@@ -3,7 +3,7 @@
 The safe service sends the PSP a key derived from the client's (64
 hexadecimal characters, app/idempotency/keys.py::derived_key); the naive
 twin sends a fresh UUID (36). The fakes keep the key in two indexed text
-columns, so a longer key costs them more in every comparison. The rate at
+columns, where a longer key can cost more in every comparison. The rate at
 once (bench/rate_at_once.py) found the fakes spending more a payment for the
 safe service's calls; this measures how much of that the key's form can be.
 
@@ -64,6 +64,7 @@ def round_figures(before: Mark, after: Mark, forms: dict[str, str], charges: dic
 
 
 def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of the rounds' hex ÷ uuid ratios, and their lowest and highest."""
     ratios = [r["ratio"] for r in rounds if r["ratio"] is not None]
     return {"rounds": rounds, "ratio": statistics.median(ratios) if ratios else None,
             "lowest": min(ratios, default=None), "highest": max(ratios, default=None)}
