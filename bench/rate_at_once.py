@@ -35,6 +35,14 @@ PostgreSQL's background processes and the load generator serve both and
 are charged to neither. A session is told apart by its client port
 (bench/sessions.py); over a Unix socket none is anyone's, and the
 database's figures are then n/a.
+
+Is the step itself fair to both sides? `bench.run --at-once naive,naive`
+(or `phased,phased`) runs it with one service on both sides, the columns
+keeping their names: a control. There each pair of fakes serves the same
+service, so a difference between the sides is the step's own (the order
+the processes started in, which load was opened first). In a control the
+worker is charged to neither side: with the phased service on both it
+sweeps for both.
 """
 
 from __future__ import annotations
@@ -52,7 +60,22 @@ from bench.system import Service
 SIDES = ("phased", "naive")
 FAKES = ("psp", "rail")
 ROUNDS = 6
+# The services on the two sides, in the order of SIDES (--at-once). The
+# reading puts each on the side of its name. A control puts one service on
+# both, so that whatever differs between the two sides' figures is the
+# step's own doing (which pair of fakes started first, which load), not a
+# service's.
+READING = ("phased", "naive")
+CONTROLS = (("naive", "naive"), ("phased", "phased"))
 
+
+def services_of(text: str) -> tuple[str, str]:
+    """--at-once's value, "phased,naive" or a control's ("naive,naive", "phased,phased"): the services of SIDES."""
+    services = tuple(part.strip() for part in text.split(","))
+    if services == READING or services in CONTROLS:
+        return services[0], services[1]
+    raise ValueError(f"--at-once takes {','.join(READING)} or a control, "
+                     f"{' or '.join(','.join(c) for c in CONTROLS)}; not {text!r}")
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
@@ -94,7 +117,7 @@ async def side_by_side(apis: dict[str, Service], worker: Service | None, fakes: 
 def round_figures(before: Mark, after: Mark, ran: dict[str, RunResult]) -> dict[str, Any]:
     """One round's figures per payment on each side, and its phased ÷ naive ratios.
 
-    The worker is the phased side's; the database's figures are n/a unless
+    The worker, if the marks hold it, is the phased side's; the database's figures are n/a unless
     the sessions could be told apart (some session is the twin's). A side's
     fakes, each with its sessions, are charged when the marks hold them.
     """
@@ -105,7 +128,7 @@ def round_figures(before: Mark, after: Mark, ran: dict[str, RunResult]) -> dict[
         n = max(1, ran[side].succeeded)
         f = {"payments": ran[side].succeeded, "per_second": round(ran[side].per_second, 1),
              "api_ms": round(1000 * api / n, 4), "sessions_ms": round(1000 * sessions / n, 4) if mapped else None}
-        if side == "phased":
+        if side == "phased" and "worker" in after.processes:
             worker, worker_sessions = Meter.spent(before, after, "worker")
             f["worker_ms"] = round(1000 * (worker + worker_sessions) / n, 4) if mapped else None
         f["service_ms"] = round(f["api_ms"] + f["sessions_ms"] + (f.get("worker_ms") or 0.0), 4) if mapped else None

@@ -603,8 +603,14 @@ def print_rate_at_once(results: dict[str, Any]) -> None:
     steps = results.get("rate_at_once", {})
     if not steps:
         return
-    table = Table(title="new payments, the phased service and the naive twin at once (bench/rate_at_once.py; not "
-                        "judged): medians of the rounds", title_justify="left")
+    services = next(iter(steps.values())).get("services", {"phased": "phased", "naive": "naive"})
+    if services["phased"] == services["naive"]:  # --at-once naive,naive or phased,phased
+        who = (f"a control, the {'naive twin' if services['phased'] == 'naive' else 'phased service'} on both sides "
+               "(the columns keep the step's names)")
+    else:
+        who = "the phased service and the naive twin"
+    table = Table(title=f"new payments, {who} at once (bench/rate_at_once.py; not judged): medians of the rounds",
+                  title_justify="left")
     for column in ("workers", "figure", "phased", "naive", "phased ÷ naive (the rounds')"):
         table.add_column(column, justify="left" if column == "figure" else "right")
     for workers, step in steps.items():

@@ -199,6 +199,7 @@ class Params:
     rate_only: bool = False  # only the rounds of new payments, phased and naive (--rate-only)
     outbox_only: bool = False  # only the rounds with and without webhooks at once (--outbox-only)
     events_per_post: int = LIST_SIZE  # the endpoint's list size in the judged outbox rounds (--events-per-post)
+    at_once: tuple[str, str] = rate_at_once.READING  # the services on the two sides of the rounds at once (--at-once)
 
 
 @dataclass
@@ -414,33 +415,39 @@ class Bench:
         each API with a new pair, alike. The worker stays the one of the
         run, and is charged to the phased side.
         """
+        services = self.params.at_once
+        control = services != rate_at_once.READING
         both: dict[str, Service] = {}
         pairs: dict[str, dict[str, Service]] = {}
-        for side, variant in (("phased", PHASED), ("naive", NAIVE)):
+        for side, variant in zip(rate_at_once.SIDES, services):
             psp, rail = fakes(self.dbs.rails_url, whose=f"{side} at once")
             both[side] = api(self.dbs.service_url, psp, rail, workers, variant, whose="at once")
             pairs[side] = {"psp": psp, "rail": rail}
         seconds = max(1.0, self.params.duration / 2)
         half = max(1, self.params.concurrency // 2)
         started = [service for side in both for service in (pairs[side]["psp"], pairs[side]["rail"], both[side])]
+        pairing = f"{services[0]} and {services[1]}" + (" (a control)" if control else "")
         with running(started), console.status(
-                f"[{workers}w] new payments, phased and naive at once: {RATE_AT_ONCE_ROUNDS} rounds of {seconds:g} s"):
+                f"[{workers}w] new payments, {pairing} at once: {RATE_AT_ONCE_ROUNDS} rounds of {seconds:g} s"):
             async with Load(both["phased"].url, self.dbs.api_key, half) as phased, \
                     Load(both["naive"].url, self.dbs.api_key, half) as naive:
+                # In a control the worker is charged to neither side: with the
+                # phased service on both, it sweeps for both.
                 figures, results = await rate_at_once.side_by_side(
-                    both, self.worker, pairs, {"phased": phased, "naive": naive}, self.server.url,
-                    RATE_AT_ONCE_ROUNDS, seconds)
+                    both, None if control else self.worker, pairs, {"phased": phased, "naive": naive},
+                    self.server.url, RATE_AT_ONCE_ROUNDS, seconds)
             checks: list[Check] = []
-            for side, variant in (("phased", PHASED), ("naive", NAIVE)):
+            for side, variant in zip(rate_at_once.SIDES, services):
                 for result in results[side]:
                     checks += await exactly_once(variant, self.dbs.service_url, self.dbs.rails_url,
                                                  self.dbs.client_id, result)
         self.rate_at_once[str(workers)] = {"rounds": RATE_AT_ONCE_ROUNDS, "seconds": seconds, "figures": figures,
+                                           "services": dict(zip(rate_at_once.SIDES, services)),
                                            "exactly_once": verdict(checks)}
         if not self.params.rate_only:  # the replays' xact_commit after this must be theirs alone
             await self.settle_statistics(workers)
         m = figures["medians"]
-        console.print(f"[{workers}w] new payments, phased and naive at once: payments/s phased ÷ naive "
+        console.print(f"[{workers}w] new payments, {pairing} at once: payments/s phased ÷ naive "
                       f"{report.fmt(figures['rate_ratio'], 3)} ({report.fmt(m['phased'].get('per_second'))} ÷ "
                       f"{report.fmt(m['naive'].get('per_second'))}); the service's CPU per payment "
                       f"{report.fmt(m['phased'].get('service_ms'), 2)} ÷ {report.fmt(m['naive'].get('service_ms'), 2)} "
@@ -904,6 +911,11 @@ def main(
         False, "--outbox-only", help="Only the rounds of new payments with and without webhooks at once "
         "(bench/outbox.py), after a warm-up: the outbox's target (no other rounds, replays, refunds or pgbench)."
     ),
+    at_once: str = typer.Option(
+        ",".join(rate_at_once.READING), "--at-once", help="The services on the two sides of the rounds at once "
+        "(bench/rate_at_once.py), the columns phased and naive: phased,naive; or one service on both, naive,naive "
+        "or phased,phased, a control of the step itself."
+    ),
     events_per_post: int = typer.Option(
         LIST_SIZE, "--events-per-post", min=1, max=MAX_EVENTS_PER_POST, help="The judged rounds of the outbox's cost: at most this "
         "many events in one POST to the fake merchant (docs/outbox-inbox.md#several-events-in-one-post), after a "
@@ -920,8 +932,12 @@ def main(
         raise typer.BadParameter("--workers takes counts such as 1,2") from None
     if rate_only and outbox_only:
         raise typer.BadParameter("--rate-only and --outbox-only each run only their own rounds: give one")
+    try:
+        services_at_once = rate_at_once.services_of(at_once)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     params = Params(concurrency, duration, warmup, runs, worker_counts, replay_duration, pgbench_duration, rate_only,
-                    outbox_only, events_per_post)
+                    outbox_only, events_per_post, services_at_once)
     signal.signal(signal.SIGTERM, _interrupt)
     started_at = datetime.now(UTC)
     clock = time.monotonic()
@@ -957,6 +973,7 @@ def main(
             "rate_only": rate_only,
             "outbox_only": outbox_only,
             "events_per_post": events_per_post,
+            "at_once": ",".join(services_at_once),
             "workers": worker_counts,
             "replay_duration_s": replay_duration,
             "replay_keys_max": REPLAY_KEYS,

@@ -1,9 +1,12 @@
-"""How bench/rate_at_once.py charges each side of a round: the worker to the safe service, sessions and fakes by owner."""
+"""How bench/rate_at_once.py charges each side of a round: the worker to the safe service, sessions and fakes by
+owner; and which services it puts on its two sides."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.load import RunResult
-from bench.rate_at_once import round_figures, summary
+from bench.rate_at_once import round_figures, services_of, summary
 from bench.sessions import Mark
 
 
@@ -83,3 +86,26 @@ def test_a_round_without_each_sides_fakes_charges_none():
 
     assert "fakes_ms" not in figures["phased"] and figures["whole_ratio"] is None
     assert summary([figures])["whole_ratio"] is None
+
+
+def test_a_round_with_no_worker_charges_none_to_the_phased_side():
+    # A control (--at-once phased,phased) charges its worker to neither side.
+    before, after = _marks(owned=True)
+    for mark in (before, after):
+        del mark.processes["worker"]
+        mark.owner.pop(12, None)  # the worker's session
+
+    figures = round_figures(before, after, {"phased": _ran(250, 10.0), "naive": _ran(200, 10.0)})
+
+    assert "worker_ms" not in figures["phased"], "no worker was there to charge"
+    assert figures["phased"]["service_ms"] == 3.0, "the API's 2.0 and its sessions' 1.0, nothing more"
+
+
+def test_the_step_takes_the_reading_or_a_control_with_one_service_on_both_sides():
+    assert services_of("phased,naive") == ("phased", "naive")
+    assert services_of("naive, naive") == ("naive", "naive")
+    assert services_of("phased,phased") == ("phased", "phased")
+    # The twin in the column named phased would read as the other way round.
+    for wrong in ("naive,phased", "phased", "phased,naive,naive", "phased,webhooks", ""):
+        with pytest.raises(ValueError, match="--at-once takes"):
+            services_of(wrong)
