@@ -77,6 +77,41 @@ def services_of(text: str) -> tuple[str, str]:
     raise ValueError(f"--at-once takes {','.join(READING)} or a control, "
                      f"{' or '.join(','.join(c) for c in CONTROLS)}; not {text!r}")
 
+# How each side's calls arrive at its fake PSP, read from the fake's own
+# request log after each round (`at` is the database's clock as the fake
+# logged the call): the median gap between a charge and the side's charge
+# before it, and the share of charges that came within BUNCHED of the one
+# before. A fake that finds several calls waiting serves them on one
+# wake-up; one woken for each pays for each. A side is told by its keys:
+# the safe service sends derived keys of 64 characters, the twin fresh
+# UUIDs of 36. In a control the two are alike, and there is no figure.
+KEY_LENGTHS = {"phased": 64, "naive": 36}
+BUNCHED = 0.0005  # seconds
+_ARRIVALS = """
+SELECT key_length,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY gap) AS median_gap,
+       avg((gap < $3)::int)::float8 AS bunched
+  FROM (SELECT length(idempotency_key) AS key_length,
+               extract(epoch FROM at - lag(at) OVER (PARTITION BY length(idempotency_key) ORDER BY at))::float8 AS gap
+          FROM fake_psp.request
+         WHERE method = 'POST' AND path = '/v1/charges' AND at >= $1 AND at < $2) AS calls
+ WHERE gap IS NOT NULL
+ GROUP BY key_length
+"""
+
+
+async def arrivals(rails: asyncpg.Connection, since: Any, until: Any, key_lengths: dict[str, int] | None
+                   ) -> dict[str, dict[str, float]]:
+    """Each side's charges at its fake PSP between `since` and `until` (the database's clock): the median gap
+    to the side's charge before, in ms, and the share of charges bunched; none in a control (`key_lengths` None)."""
+    if not key_lengths:
+        return {}
+    rows = {r["key_length"]: r for r in await rails.fetch(_ARRIVALS, since, until, BUNCHED)}
+    return {side: {"psp_gap_ms": round(1000 * rows[length]["median_gap"], 3),
+                   "psp_bunched": round(rows[length]["bunched"], 3)}
+            for side, length in key_lengths.items() if length in rows}
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
 
@@ -87,15 +122,20 @@ def fake_role(side: str, fake: str) -> str:
 
 
 async def side_by_side(apis: dict[str, Service], worker: Service | None, fakes: dict[str, dict[str, Service]],
-                       loads: dict[str, Load], server_url: str, count: int, seconds: float, warmup: float = 1.0
+                       loads: dict[str, Load], server_url: str, count: int, seconds: float, warmup: float = 1.0,
+                       rails_url: str | None = None, key_lengths: dict[str, int] | None = None
                        ) -> tuple[dict[str, Any], dict[str, list[RunResult]]]:
     """`count` rounds of new payments against both APIs at once: the figures, and each side's results to check.
 
     `fakes` is each side's own pair, by side and then "psp" and "rail"
-    (FAKES); a side left out is charged no fakes. Before the rounds, both
-    sides run `warmup` seconds, not counted.
+    (FAKES); a side left out is charged no fakes. With `rails_url` (the
+    fakes' database) and `key_lengths` (each side's, KEY_LENGTHS), each
+    round also reads how the side's calls arrived at its fake PSP
+    (`arrivals`). Before the rounds, both sides run `warmup` seconds, not
+    counted.
     """
     conn = await asyncpg.connect(server_url)
+    rails = await asyncpg.connect(rails_url) if rails_url and key_lengths else None
     roles = {**apis, **({"worker": worker} if worker is not None else {}),
              **{fake_role(side, fake): service for side, pair in fakes.items() for fake, service in pair.items()}}
     meter = Meter(conn, server_url, roles)
@@ -104,13 +144,21 @@ async def side_by_side(apis: dict[str, Service], worker: Service | None, fakes: 
     try:
         await asyncio.gather(*(loads[side].new_payments(warmup) for side in SIDES))
         for _ in range(count):
+            since = await rails.fetchval("SELECT clock_timestamp()") if rails else None
             before = await meter.mark()
             ran = dict(zip(SIDES, await asyncio.gather(*(loads[side].new_payments(seconds) for side in SIDES))))
-            rounds.append(round_figures(before, await meter.mark(), ran))
+            figures = round_figures(before, await meter.mark(), ran)
+            if rails:
+                until = await rails.fetchval("SELECT clock_timestamp()")
+                for side, arrived in (await arrivals(rails, since, until, key_lengths)).items():
+                    figures[side] |= arrived
+            rounds.append(figures)
             for side in SIDES:
                 results[side].append(ran[side])
     finally:
         await conn.close()
+        if rails:
+            await rails.close()
     return summary(rounds), results
 
 
@@ -156,7 +204,7 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         return round(statistics.median(present), 4) if present else None
 
     parts = ("per_second", "api_ms", "sessions_ms", "worker_ms", "service_ms", "psp_ms", "rail_ms", "fakes_ms",
-             "whole_ms", "psp_wakeups", "rail_wakeups")
+             "whole_ms", "psp_wakeups", "rail_wakeups", "psp_gap_ms", "psp_bunched")
     ratios = ("rate_ratio", "cpu_ratio", "db_ratio", "fakes_ratio", "whole_ratio")
     return {
         "rounds": rounds,

@@ -21,6 +21,7 @@ from typing import Any
 
 from rich.table import Table
 
+from bench import rate_at_once
 from bench.costs import LOAD_GENERATOR, MACHINE, OTHERS, PG_PARTS, WORKERS_OWN
 from bench.system import SERVICE_DATABASE
 from bench.system import console
@@ -625,9 +626,11 @@ def print_rate_at_once(results: dict[str, Any]) -> None:
                 ("  the fake rail's", "rail_ms", 3, None),
                 ("the fake PSP woken, a payment", "psp_wakeups", 2, None),
                 ("the fake rail woken, a payment", "rail_wakeups", 2, None),
+                ("its calls at the fake PSP: the median gap, ms", "psp_gap_ms", 2, None),
+                (f"  the share within {rate_at_once.BUNCHED * 1000:g} ms of the one before", "psp_bunched", 2, None),
                 ("the service's and its fakes', a payment", "whole_ms", 3, "whole_ratio"))
         for label, part, digits, ratio in rows:
-            if part not in m["phased"]:  # a run from before the step charged each side its fakes
+            if part not in m["phased"]:  # a run from before the step read it, or a control (no arrivals)
                 continue
             rounds = ", ".join(fmt(r.get(ratio), 2) for r in f["rounds"]) if ratio else ""
             table.add_row(workers, label, fmt(m["phased"].get(part), digits), fmt(m["naive"].get(part), digits),

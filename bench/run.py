@@ -435,7 +435,8 @@ class Bench:
                 # phased service on both, it sweeps for both.
                 figures, results = await rate_at_once.side_by_side(
                     both, None if control else self.worker, pairs, {"phased": phased, "naive": naive},
-                    self.server.url, RATE_AT_ONCE_ROUNDS, seconds)
+                    self.server.url, RATE_AT_ONCE_ROUNDS, seconds, rails_url=self.dbs.rails_url,
+                    key_lengths=None if control else rate_at_once.KEY_LENGTHS)
             checks: list[Check] = []
             for side, variant in zip(rate_at_once.SIDES, services):
                 for result in results[side]:

@@ -1,12 +1,20 @@
 """How bench/rate_at_once.py charges each side of a round: the worker to the safe service, sessions and fakes by
-owner; and which services it puts on its two sides."""
+owner; which services it puts on its two sides; and how each side's calls arrived at its fake PSP, read from the
+fake's request log on a real server."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
 import pytest
 
 from bench.load import RunResult
-from bench.rate_at_once import round_figures, services_of, summary
+from bench.rate_at_once import KEY_LENGTHS, arrivals, round_figures, services_of, summary
+from devtools import embedded_db
+from fake_rails.common import REQUEST_LOG_DDL
 from bench.sessions import Mark
 
 
@@ -109,3 +117,42 @@ def test_the_step_takes_the_reading_or_a_control_with_one_service_on_both_sides(
     for wrong in ("naive,phased", "phased", "phased,naive,naive", "phased,webhooks", ""):
         with pytest.raises(ValueError, match="--at-once takes"):
             services_of(wrong)
+
+
+@pytest.fixture
+def rails(server_url: str):
+    """A scratch database holding the fake PSP's request log, and nothing else."""
+    name = f"payments_arrivals_{os.getpid()}"
+    embedded_db.create_database(server_url, name, recreate=True)
+    yield f"{server_url.rsplit('/', 1)[0]}/{name}"
+    embedded_db.drop_database(server_url, name)
+
+
+def test_each_sides_calls_are_read_apart_by_their_keys_within_the_round_and_a_control_has_none(rails: str):
+    start = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
+    ms = timedelta(milliseconds=1)
+    phased = [(start + i * 10 * ms, "POST", "/v1/charges", "a" * 64) for i in range(4)]  # 10 ms apart
+    naive = [(start + t * ms, "POST", "/v1/charges", f"{i:036d}") for i, t in enumerate((0.0, 0.1, 0.2, 30.0))]
+    others = [
+        (start + 5 * ms, "GET", "/v1/charges", "b" * 64),  # a probe is not a call that arrives to be charged
+        (start + 15 * ms, "POST", "/v1/refunds", "c" * 64),  # nor a refund
+        (start + timedelta(seconds=100), "POST", "/v1/charges", "d" * 64),  # after the round
+    ]
+
+    async def go() -> tuple[dict, dict]:
+        conn = await asyncpg.connect(rails)
+        try:
+            await conn.execute("CREATE SCHEMA fake_psp;" + REQUEST_LOG_DDL.format(schema="fake_psp"))
+            await conn.executemany("INSERT INTO fake_psp.request (at, method, path, idempotency_key) "
+                                   "VALUES ($1, $2, $3, $4)", phased + naive + others)
+            until = start + timedelta(seconds=10)
+            return await arrivals(conn, start, until, KEY_LENGTHS), await arrivals(conn, start, until, None)
+        finally:
+            await conn.close()
+
+    read, control = asyncio.run(go())
+
+    assert read["phased"] == {"psp_gap_ms": 10.0, "psp_bunched": 0.0}
+    # Gaps of 0.1, 0.1 and 29.8 ms: two of the three within 0.5 ms of the call before.
+    assert read["naive"] == {"psp_gap_ms": 0.1, "psp_bunched": round(2 / 3, 3)}
+    assert control == {}, "one service on both sides: its calls cannot be told apart"
