@@ -77,6 +77,7 @@ def services_of(text: str) -> tuple[str, str]:
     raise ValueError(f"--at-once takes {','.join(READING)} or a control, "
                      f"{' or '.join(','.join(c) for c in CONTROLS)}; not {text!r}")
 
+
 # How each side's calls arrive at its fake PSP, read from the fake's own
 # request log after each round (`at` is the database's clock as the fake
 # logged the call): the median gap between a charge and the side's charge
@@ -165,9 +166,10 @@ async def side_by_side(apis: dict[str, Service], worker: Service | None, fakes: 
 def round_figures(before: Mark, after: Mark, ran: dict[str, RunResult]) -> dict[str, Any]:
     """One round's figures per payment on each side, and its phased ÷ naive ratios.
 
-    The worker, if the marks hold it, is the phased side's; the database's figures are n/a unless
-    the sessions could be told apart (some session is the twin's). A side's
-    fakes, each with its sessions, are charged when the marks hold them.
+    The worker, when the marks hold it, is the phased side's; the
+    database's figures are n/a unless the sessions could be told apart
+    (some session is the twin's). A side's fakes, each with its sessions,
+    are charged when the marks hold them.
     """
     mapped = any(after.owner.get(pid) == "naive" for pid in after.sessions)
     figures: dict[str, Any] = {}

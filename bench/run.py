@@ -413,7 +413,9 @@ class Bench:
         Each side calls a pair of fakes of its own, so that the fakes' work
         can be charged to it: for this step both sides are started afresh,
         each API with a new pair, alike. The worker stays the one of the
-        run, and is charged to the phased side.
+        run, and is charged to the phased side. With --at-once naive,naive
+        or phased,phased the step is a control, one service on both sides
+        (bench/rate_at_once.py).
         """
         services = self.params.at_once
         control = services != rate_at_once.READING
