@@ -128,8 +128,8 @@ bench-batch: $(STAMP)
 
 # Only the rounds that judge "faster than unsafe": phased and naive alternating, five rounds at 1 and 2
 # workers, the rate as the median of the rounds' ratios and the service database's CPU per payment; then
-# both at once (bench/rate_at_once.py, not judged): the same figures with the host's speed shared by both, and
-# each side's own fakes' CPU per payment.
+# both at once (bench/rate_at_once.py, not judged): the same figures with the host's speed shared by both,
+# each side's own fakes' CPU per payment, and how its calls arrive at its fake PSP.
 bench-rate: $(STAMP)
 	$(BIN)/python -m bench.run --rate-only
 
