@@ -25,7 +25,8 @@ new pair), so the fakes' work is charged too, at the same moments:
 
     fakes    the fake PSP's and the fake rail's CPU and their sessions',
              and how often each was woken, per payment of the side that
-             called them
+             called them; and how the side's calls arrived at its fake
+             PSP, spread out or bunched (`arrivals`)
 
 and the side's whole work a payment is the service's and its fakes'. A
 fake does the same work for either side, so any difference there is what

@@ -29,8 +29,8 @@ new payments, the phased service and the naive twin at once (not judged)
     at the same moments, each with half of the clients and a pair of fakes
     of its own (bench/rate_at_once.py): each side's payments/s, the
     service's own CPU per payment (its API, its database sessions, and for
-    the phased service its worker) and its fakes', with the host's moves
-    shared by both.
+    the phased service its worker) and its fakes', and how its calls
+    arrive at its fake PSP, with the host's moves shared by both.
 new payments/s with webhooks, and its ratio to the phased service without
     The outbox's cost: the "webhooks" variant is the phased service paid by
     a client with a webhook endpoint, so every payment also writes its event

@@ -9,21 +9,10 @@ that did not happen.
 from __future__ import annotations
 
 import asyncio
-import os
 
 import asyncpg
-import pytest
 
 from bench import db_rounds, system
-from devtools import embedded_db
-
-
-@pytest.fixture
-def scratch(server_url: str):
-    name = f"payments_db_rounds_{os.getpid()}"
-    embedded_db.create_database(server_url, name, recreate=True)
-    yield f"{server_url.rsplit('/', 1)[0]}/{name}"
-    embedded_db.drop_database(server_url, name)
 
 
 async def _run(url: str, sql: str) -> None:

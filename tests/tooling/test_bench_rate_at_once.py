@@ -5,7 +5,6 @@ fake's request log on a real server."""
 from __future__ import annotations
 
 import asyncio
-import os
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -13,9 +12,8 @@ import pytest
 
 from bench.load import RunResult
 from bench.rate_at_once import KEY_LENGTHS, arrivals, round_figures, services_of, summary
-from devtools import embedded_db
-from fake_rails.common import REQUEST_LOG_DDL
 from bench.sessions import Mark
+from fake_rails.common import REQUEST_LOG_DDL
 
 
 def _ran(payments: int, seconds: float) -> RunResult:
@@ -119,16 +117,7 @@ def test_the_step_takes_the_reading_or_a_control_with_one_service_on_both_sides(
             services_of(wrong)
 
 
-@pytest.fixture
-def rails(server_url: str):
-    """A scratch database holding the fake PSP's request log, and nothing else."""
-    name = f"payments_arrivals_{os.getpid()}"
-    embedded_db.create_database(server_url, name, recreate=True)
-    yield f"{server_url.rsplit('/', 1)[0]}/{name}"
-    embedded_db.drop_database(server_url, name)
-
-
-def test_each_sides_calls_are_read_apart_by_their_keys_within_the_round_and_a_control_has_none(rails: str):
+def test_each_sides_calls_are_read_apart_by_their_keys_within_the_round_and_a_control_has_none(scratch: str):
     start = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
     ms = timedelta(milliseconds=1)
     phased = [(start + i * 10 * ms, "POST", "/v1/charges", "a" * 64) for i in range(4)]  # 10 ms apart
@@ -140,7 +129,7 @@ def test_each_sides_calls_are_read_apart_by_their_keys_within_the_round_and_a_co
     ]
 
     async def go() -> tuple[dict, dict]:
-        conn = await asyncpg.connect(rails)
+        conn = await asyncpg.connect(scratch)  # holding the fake PSP's request log, and nothing else
         try:
             await conn.execute("CREATE SCHEMA fake_psp;" + REQUEST_LOG_DDL.format(schema="fake_psp"))
             await conn.executemany("INSERT INTO fake_psp.request (at, method, path, idempotency_key) "
