@@ -1,7 +1,8 @@
 """Figures the machine's noise does not move: the app's instructions per payment, the database's cost per statement.
 
-    .venv/bin/python -m bench.instructions [--low 10] [--high 110] [--no-replays] [--warmup 10] [--repeats 2]
-        [--tolerance 0.01] [--statements 200] [--jobs 4] [--skip-callgrind] [--show-sql] [--greenlets]
+    .venv/bin/python -m bench.instructions [--variants phased,naive] [--low 10] [--high 110] [--no-replays]
+        [--warmup 10] [--repeats 2] [--tolerance 0.01] [--statements 200] [--jobs 4] [--skip-callgrind]
+        [--show-sql] [--greenlets]
 
 Not on a request's path: a bench of its own, beside `make bench` (whose
 payments/s and CPU seconds move with whatever else the shared machine runs).
@@ -29,7 +30,11 @@ The app's instructions
     retried, and their connections are kept open (KEEP_ALIVE_SECONDS), so
     none is made again.
     Every variant runs `repeats` times, and a figure is given only if its
-    repeats agree within `tolerance`.
+    repeats agree within `tolerance`. The variants: `phased` (the safe
+    service as `payments api` runs it, metrics and logs on), `naive` (the
+    twin) and `unwatched` (the safe service with metrics and logs off, as
+    `make bench` judges watching), so phased ÷ unwatched is what watching
+    costs in the app's own instructions.
 
 The greenlets started per payment (--greenlets)
     SQLAlchemy runs each of its awaits in a new greenlet, and on this
@@ -86,6 +91,7 @@ from bench.system import (
     RESULTS,
     SERVICE_DATABASE,
     SETTINGS,
+    UNWATCHED,
     Service,
     console,
     fakes,
@@ -99,7 +105,11 @@ OUT = Path(os.environ.get("BENCH_CALLGRIND_DIR", RESULTS / "callgrind"))
 # track=all: the statements inside claim_idempotency_key and the triggers are counted too, apart from (and
 # also inside) the statement that ran them.
 PRELOAD = (("shared_preload_libraries", "pg_stat_statements"), ("pg_stat_statements.track", "all"))
-COMMAND = {PHASED: "api", NAIVE: "naive-twin"}
+COMMAND = {PHASED: "api", UNWATCHED: "api", NAIVE: "naive-twin"}
+# The safe service with metrics and logs (PHASED, the defaults) or without
+# (UNWATCHED: bench/system.py's SETTINGS); the twin has neither replays nor
+# the safe service's metrics.
+SAFE = (PHASED, UNWATCHED)
 # Under valgrind, Python runs many times slower than natively, more so on a busy machine.
 VALGRIND_SECONDS = 3600
 VALGRIND_STOP_SECONDS = 300
@@ -310,8 +320,8 @@ PAYMENTS, REPLAYS = "payments", "replays"
 
 def windows(variant: str, low: int, high: int, replays: bool) -> list[Window]:
     """The windows one callgrind run of `variant` counts, in order: `low` then `high` new payments, then (the
-    phased service only: the twin has no replays) `low` then `high` replays."""
-    kinds = (PAYMENTS, REPLAYS) if variant == PHASED and replays else (PAYMENTS,)
+    safe service only, watched or not: the twin has no replays) `low` then `high` replays."""
+    kinds = (PAYMENTS, REPLAYS) if variant in SAFE and replays else (PAYMENTS,)
     return [Window(kind, n) for kind in kinds for n in (low, high)]
 
 
@@ -477,11 +487,11 @@ def drive(variant: str, warmup: int, plan: list[Window]) -> None:
 
     settings = Settings()
     made = None
-    if variant == PHASED and settings.metrics_enabled:
+    if variant in SAFE and settings.metrics_enabled:
         path, fresh = multiproc.prepare()
         made = path if fresh else None
     logs.configure(settings.log_format, settings.log_level)
-    if variant == PHASED:
+    if variant in SAFE:
         from app.main import create_app
     else:
         from naive_twin.app import create_app
@@ -506,14 +516,14 @@ def drive(variant: str, warmup: int, plan: list[Window]) -> None:
     async def replay(i: int) -> None:
         key, body = sent[i % len(sent)]
         status, answered, _ = await asgi_post(app, "/v1/payments", [*headers, (b"idempotency-key", key)], body)
-        if status != 201 or (variant == PHASED and answered.get(b"idempotent-replayed") != b"true"):
+        if status != 201 or (variant in SAFE and answered.get(b"idempotent-replayed") != b"true"):
             raise NoFigure(f"a replay was answered {status} (Idempotent-Replayed: {answered.get(b'idempotent-replayed')})")
 
     async def run() -> None:
         async with app.router.lifespan_context(app):
             for _ in range(warmup):
                 await payment()
-            for i in range(warmup if variant == PHASED else 0):
+            for i in range(warmup if variant in SAFE else 0):
                 await replay(i)
             counted = os.environ.get(GREENLETS_OUT)  # natively only (`greenlets`): a Python call per switch
             for window in plan:
@@ -736,7 +746,8 @@ def main(
     tolerance: float = typer.Option(0.01, min=0, help="How far (a fraction) the repeats may disagree."),
     statements: int = typer.Option(200, min=0, help="Payments for pg_stat_statements; 0: skip it."),
     top: int = typer.Option(10, min=1, help="Statements shown, by total time."),
-    variants: str = typer.Option(f"{PHASED},{NAIVE}", help="phased, naive or both."),
+    variants: str = typer.Option(f"{PHASED},{NAIVE}", help="Any of phased, naive and unwatched (the phased "
+                                 "service with metrics and logs off), comma-separated."),
     skip_callgrind: bool = typer.Option(False, "--skip-callgrind", help="No callgrind runs: only the database's cost "
                                         "per statement (and --greenlets)."),
     show_sql: bool = typer.Option(False, "--show-sql", help="Print each shown statement's text."),
@@ -747,7 +758,7 @@ def main(
     """The API's instructions per payment under callgrind, and the database's cost per statement."""
     chosen = [v.strip() for v in variants.split(",") if v.strip()]
     if not chosen or set(chosen) - set(COMMAND) or high <= low:
-        raise typer.BadParameter("--variants is phased, naive or both; --high must exceed --low")
+        raise typer.BadParameter("--variants is any of phased, naive and unwatched; --high must exceed --low")
     try:
         if not skip_callgrind:
             console.print(subprocess.run([require_valgrind(), "--version"], capture_output=True, text=True).stdout.strip())
@@ -785,14 +796,14 @@ def report(figures: list[Instructions], chosen: list[str], low: int, high: int, 
         table.add_row(f.variant, str(f.repeat), f"{f.per_payment:,.0f}",
                       "" if f.per_replay is None else f"{f.per_replay:,.0f}")
     wide.print(table)
-    means = {}
+    means, replay_means = {}, {}
     for variant in chosen:
         mine = [f for f in figures if f.variant == variant]
         means[variant] = agreed(f"{variant} per payment", [f.per_payment for f in mine], tolerance)
         console.print(f"{variant}: {means[variant]:,.0f} instructions per payment "
                       f"(repeats within {spread([f.per_payment for f in mine]):.2%})")
         if mine[0].per_replay is not None:
-            replay = agreed(f"{variant} per replay", [f.per_replay for f in mine], tolerance)
+            replay = replay_means[variant] = agreed(f"{variant} per replay", [f.per_replay for f in mine], tolerance)
             console.print(f"{variant}: {replay:,.0f} instructions per replay "
                           f"(repeats within {spread([f.per_replay for f in mine]):.2%})")
     if set(chosen) == {PHASED, NAIVE}:
@@ -800,6 +811,11 @@ def report(figures: list[Instructions], chosen: list[str], low: int, high: int, 
             by = {f.variant: f.per_payment for f in figures if f.repeat == repeat}
             console.print(f"repeat {repeat}: phased ÷ naive per payment = {by[PHASED] / by[NAIVE]:.3f}")
         console.print(f"phased ÷ naive per payment = {means[PHASED] / means[NAIVE]:.3f}")
+    if {PHASED, UNWATCHED} <= set(chosen):
+        # What metrics and logs cost, in the app's own instructions.
+        console.print(f"phased ÷ unwatched per payment = {means[PHASED] / means[UNWATCHED]:.4f}")
+        if PHASED in replay_means and UNWATCHED in replay_means:
+            console.print(f"phased ÷ unwatched per replay = {replay_means[PHASED] / replay_means[UNWATCHED]:.4f}")
 
 
 if __name__ == "__main__":

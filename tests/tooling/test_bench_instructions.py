@@ -12,11 +12,15 @@ from sqlalchemy.sql.elements import TextClause
 from app.machine.statements import Statement
 from app.payments import phases
 from bench.instructions import (
+    COMMAND,
     NAIVE,
     PAYMENTS,
     PHASED,
     REPLAYS,
+    SETTINGS,
+    UNWATCHED,
     Count,
+    Instructions,
     NoFigure,
     Window,
     _count_start,
@@ -25,6 +29,7 @@ from bench.instructions import (
     known_phases,
     per_unit,
     phase_of,
+    report,
     spread,
     window_total,
     windows,
@@ -99,6 +104,23 @@ def test_the_phased_service_counts_payments_and_replays_the_twin_payments_only()
         Window(PAYMENTS, 10), Window(PAYMENTS, 110), Window(REPLAYS, 10), Window(REPLAYS, 110)]
     assert windows(PHASED, 10, 110, replays=False) == [Window(PAYMENTS, 10), Window(PAYMENTS, 110)]
     assert windows(NAIVE, 10, 110, replays=True) == [Window(PAYMENTS, 10), Window(PAYMENTS, 110)]
+
+
+def test_the_safe_service_unwatched_counts_replays_too_and_runs_with_metrics_and_logs_off():
+    # What watching costs is phased ÷ unwatched: the same windows, the same app, only the settings apart.
+    assert windows(UNWATCHED, 10, 110, replays=True) == windows(PHASED, 10, 110, replays=True)
+    assert COMMAND[UNWATCHED] == COMMAND[PHASED] == "api"
+    assert SETTINGS[UNWATCHED]["METRICS_ENABLED"] == "false" and SETTINGS[PHASED]["METRICS_ENABLED"] == "true"
+
+
+def test_watching_is_reported_as_phased_over_unwatched_per_payment_and_per_replay(capsys):
+    figures = [Instructions(PHASED, r, 1_020.0, 105.0) for r in (1, 2)] + \
+              [Instructions(UNWATCHED, r, 1_000.0, 100.0) for r in (1, 2)]
+    report(figures, [PHASED, UNWATCHED], 10, 110, 0.01)
+    out = capsys.readouterr().out
+    assert "phased ÷ unwatched per payment = 1.0200" in out
+    assert "phased ÷ unwatched per replay = 1.0500" in out
+    assert "phased ÷ naive" not in out
 
 
 def test_repeats_that_agree_give_their_mean():
