@@ -37,7 +37,7 @@ from typing import Any
 import psutil
 import typer
 
-from bench.costs import cpu_of
+from bench.costs import cpu_of, wakeups_of
 from bench.load import Load, Paid, RunResult
 from bench.system import (
     PHASED, UNWATCHED, SETTINGS, Service, System, console, database_server, fakes, prepare_databases, running,
@@ -49,6 +49,20 @@ CLIENTS = 16  # per API
 
 def cpu_seconds(service: Service) -> float:
     return sum(s for process in service.tree() if (s := cpu_of(process)) is not None)
+
+
+def split_seconds(service: Service) -> tuple[float, float, int]:
+    """User and system CPU seconds (in the kernel's ticks) and wake-ups so far, of all the service's processes."""
+    user = system = 0.0
+    wakeups = 0
+    for process in service.tree():
+        try:
+            times = process.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        user, system = user + times.user, system + times.system
+        wakeups += wakeups_of(process) or 0
+    return user, system, wakeups
 
 
 def _ours(data_dir: Path | None = None) -> list[psutil.Process]:
@@ -101,21 +115,39 @@ def pinned(apis: dict[str, Service], data_dir: Path | None = None) -> Iterator[N
             _set_affinity(process, every)
 
 
+Split = tuple[float, float, float]  # user seconds, system seconds, wake-ups: per request
+
+
 async def rounds(apis: dict[str, Service], drive: Callable[[str, float], Awaitable[RunResult]],
-                 count: int, seconds: float) -> dict[str, list[tuple[float, float, RunResult]]]:
-    """`count` rounds of `drive` against every API at once: (CPU seconds per request, requests/s, result) each."""
+                 count: int, seconds: float, splits: dict[str, list[Split]] | None = None,
+                 ) -> dict[str, list[tuple[float, float, RunResult]]]:
+    """`count` rounds of `drive` against every API at once: (CPU seconds per request, requests/s, result) each.
+
+    `splits`, if given, gets each API's `Split` of every round appended.
+    """
     measured: dict[str, list[tuple[float, float, RunResult]]] = {name: [] for name in apis}
     for _ in range(count):
         before = {name: cpu_seconds(api) for name, api in apis.items()}
+        split_before = {name: split_seconds(api) for name, api in apis.items()}
         results = await asyncio.gather(*(drive(name, seconds) for name in apis))
         for (name, api), result in zip(apis.items(), results):
             n = max(1, result.succeeded)
             measured[name].append(((cpu_seconds(api) - before[name]) / n, result.succeeded / result.elapsed, result))
+            if splits is not None:
+                after = split_seconds(api)
+                splits.setdefault(name, []).append(
+                    tuple((a - b) / n for a, b in zip(after, split_before[name], strict=True)))  # type: ignore[arg-type]
     return measured
 
 
-def summary(measured: dict[str, list[tuple[float, float, RunResult]]], base: str = "off") -> dict[str, Any]:
-    """Per API: median CPU per request; to `base`: each round's CPU ratio and rate ratio, and their medians."""
+def summary(measured: dict[str, list[tuple[float, float, RunResult]]], base: str = "off",
+            splits: dict[str, list[Split]] | None = None) -> dict[str, Any]:
+    """Per API: median CPU per request; to `base`: each round's CPU ratio and rate ratio, and their medians.
+
+    With `splits`: per API, its user and system CPU and wake-ups per request
+    over all the rounds (ticks are coarse: a round's are too few to read one
+    by one), and to `base` the ratios of the user and the system times.
+    """
     out: dict[str, Any] = {}
     for name, runs in measured.items():
         figures: dict[str, Any] = {
@@ -133,6 +165,17 @@ def summary(measured: dict[str, list[tuple[float, float, RunResult]]], base: str
                 "rate_ratio": round(statistics.median(rate_ratios), 4) if rate_ratios else None,
             }
         out[name] = figures
+    if splits:
+        requests = {name: [max(1, result.succeeded) for _, _, result in runs] for name, runs in measured.items()}
+        totals = {name: [sum(part * n for part, n in zip(parts, requests[name])) / sum(requests[name])
+                         for parts in zip(*splits[name])] for name in measured}
+        for name, (user, system, wakeups) in totals.items():
+            out[name] |= {"user_ms_per_request": round(1000 * user, 4), "system_ms_per_request": round(1000 * system, 4),
+                          "wakeups_per_request": round(wakeups, 3)}
+            if name != base:
+                base_user, base_system, _ = totals[base]
+                out[name] |= {"user_ratio": round(user / base_user, 4) if base_user else None,
+                              "system_ratio": round(system / base_system, 4) if base_system else None}
     return out
 
 
@@ -144,6 +187,12 @@ def print_summary(title: str, figures: dict[str, Any]) -> None:
             line += (f"; ÷ off: CPU by round {' '.join(f'{r:.3f}' for r in f['cpu_ratio_per_round'])}, "
                      f"median [bold]{f['cpu_ratio']:.3f}[/]; requests/s median [bold]{f['rate_ratio']:.3f}[/]")
         console.print(line)
+        if "user_ms_per_request" in f:
+            split = (f"             user {f['user_ms_per_request'] * 1000:6.0f} µs, system "
+                     f"{f['system_ms_per_request'] * 1000:6.0f} µs, {f['wakeups_per_request']:.3f} wake-ups per request")
+            if f.get("user_ratio") is not None and f.get("system_ratio") is not None:
+                split += f"; ÷ off: user {f['user_ratio']:.3f}, system {f['system_ratio']:.3f}"
+            console.print(split)
 
 
 async def side_by_side_replays(apis: dict[str, Service], loads: dict[str, Load], paid: dict[str, list[Paid]],
@@ -153,10 +202,11 @@ async def side_by_side_replays(apis: dict[str, Service], loads: dict[str, Load],
     def replay(name: str, s: float) -> Awaitable[RunResult]:
         return loads[name].replays(paid[name], s)
 
+    splits: dict[str, list[Split]] = {}
     with pinned(apis):
         await asyncio.gather(*(replay(name, 2.0) for name in apis))  # connections up, on the pinned CPUs
-        measured = await rounds(apis, replay, count, seconds)
-    return summary(measured), {name: [r for _, _, r in runs] for name, runs in measured.items()}
+        measured = await rounds(apis, replay, count, seconds, splits)
+    return summary(measured, splits=splits), {name: [r for _, _, r in runs] for name, runs in measured.items()}
 
 
 def main(
