@@ -13,7 +13,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run cluster cluster-ha soak soak-ha test test-batches test-batches-1000 mutants bench bench-batch bench-rate bench-outbox bench-explain bench-db-parts bench-instructions bench-webhook-instructions bench-server-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
+.PHONY: install run cluster cluster-ha soak soak-ha test test-batches test-batches-1000 mutants bench bench-batch bench-rate bench-outbox bench-explain bench-db-parts bench-instructions bench-webhook-instructions bench-server-instructions bench-served-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
 
 install: $(STAMP)
 
@@ -171,6 +171,13 @@ bench-webhook-instructions: $(STAMP)
 # (docs/reference/performance.md#where-the-databases-instructions-go-2026-12-03). About a minute.
 bench-server-instructions: $(STAMP)
 	$(BIN)/python -m bench.server_instructions
+
+# A replay's instructions in the whole API process as uvicorn serves it, watched and unwatched: `payments api`
+# under callgrind, windows zeroed and dumped from outside by callgrind_control (needs valgrind)
+# (docs/reference/performance.md#what-watching-costs-a-replay-in-the-whole-process-2026-12-06-afternoon).
+# About 11 minutes on a 2-CPU machine; --cache-sim, about 16.
+bench-served-instructions: $(STAMP)
+	$(BIN)/python -m bench.served_instructions
 
 # The console's and /docs' pictures in docs/images/, made again from nothing
 # with the distribution's headless Chromium (apt-get install chromium chromium-driver).
