@@ -28,10 +28,13 @@ instructions ÷ its replays is the figure; each variant runs `repeats`
 processes, and a figure is given only if they agree within `tolerance`.
 
 What the figure holds beyond the replays themselves: the event loop's
-idle turns in the window, and work done by the clock (the metrics'
-flush, the /metrics thread's poll), which under valgrind's slowdown falls
-on fewer replays a second than natively, so it weighs more here than in a
-native run. Both only raise the watched figure, never lower it.
+idle turns in the window, and work done by the clock (uvicorn's timers;
+in the watched process also the metrics' flush and the /metrics
+thread's poll), which under valgrind's slowdown falls on fewer replays a
+second than natively, so it weighs more here than in a native run: both
+variants' figures are a little high, the watched one's a little more.
+docs/reference/performance.md says by how much, from two runs at
+different speeds.
 
 `--cache-sim` also has callgrind simulate the caches and the branch
 predictor (`--cache-sim=yes --branch-sim=yes`; about twice as slow) and
