@@ -736,6 +736,19 @@ def bench_server(system: System) -> Iterator[str]:
     yield postgres.url
 
 
+@contextmanager
+def patient_stack() -> Iterator[tuple[Stack, str]]:
+    """What a measured API runs against: `bench_server`, the service's and the fakes' databases, a client, and
+    the patient fakes; with the server's maintenance URL. Everything stops on leaving."""
+    with System(LOGS) as system, bench_server(system) as server_url:
+        system.create_database(RAILS_DATABASE, migrate=False)
+        system.create_database(SERVICE_DATABASE)
+        _, api_key = system.create_client("bench")
+        with running(patient_fakes(system.postgres.database_url(RAILS_DATABASE))) as (psp, rail):
+            system.psp, system.rail = psp, rail
+            yield Stack(system, api_key), server_url
+
+
 def main(
     low: int = typer.Option(10, min=1, help="Requests in the shorter window."),
     high: int = typer.Option(110, min=2, help="Requests in the longer window."),
@@ -762,25 +775,18 @@ def main(
     try:
         if not skip_callgrind:
             console.print(subprocess.run([require_valgrind(), "--version"], capture_output=True, text=True).stdout.strip())
-        with System(LOGS) as system, bench_server(system) as server_url:
+        with patient_stack() as (stack, server_url):
             asyncio.run(require_statements(server_url)) if statements else None
-            system.create_database(RAILS_DATABASE, migrate=False)
-            system.create_database(SERVICE_DATABASE)
-            _, api_key = system.create_client("bench")
-            rails_url = system.postgres.database_url(RAILS_DATABASE)
-            with running(patient_fakes(rails_url)) as (psp, rail):
-                system.psp, system.rail = psp, rail
-                stack = Stack(system, api_key)
-                if statements:
-                    for variant in chosen:
-                        statement_costs(stack, server_url, variant, statements, warmup, top, show_sql)
-                if greenlets:
-                    for variant in chosen:
-                        console.print(f"{variant}: {greenlets_per_payment(stack, variant, low, high, warmup):.2f} "
-                                      "greenlets started per payment")
-                if not skip_callgrind:
-                    figures = instructions(stack, chosen, low, high, replays, repeats, warmup, jobs)
-                    report(figures, chosen, low, high, tolerance)
+            if statements:
+                for variant in chosen:
+                    statement_costs(stack, server_url, variant, statements, warmup, top, show_sql)
+            if greenlets:
+                for variant in chosen:
+                    console.print(f"{variant}: {greenlets_per_payment(stack, variant, low, high, warmup):.2f} "
+                                  "greenlets started per payment")
+            if not skip_callgrind:
+                figures = instructions(stack, chosen, low, high, replays, repeats, warmup, jobs)
+                report(figures, chosen, low, high, tolerance)
     except NoFigure as exc:
         console.print(f"[bold red]NO FIGURE: {exc}[/]")
         raise typer.Exit(1) from None

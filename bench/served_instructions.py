@@ -61,13 +61,10 @@ from dataclasses import dataclass
 
 import typer
 
-from bench.instructions import (
-    OUT, PATIENT, SAFE, Stack, NoFigure, agreed, bench_server, patient_fakes, require_valgrind, spread,
-)
+from bench.instructions import OUT, PATIENT, SAFE, NoFigure, Stack, agreed, patient_stack, require_valgrind, spread
 from bench.load import Load
-from bench.system import LOGS, PHASED, RAILS_DATABASE, SERVICE_DATABASE, SETTINGS, UNWATCHED, console, running
+from bench.system import LOGS, PHASED, SETTINGS, UNWATCHED, console
 from devtools.processes import NotHealthy
-from devtools.system import System
 
 # Under valgrind the API starts in a minute or two, and answers 30-100 times slower than natively.
 START_SECONDS = 600
@@ -93,11 +90,6 @@ def dump_events(text: str, window: str) -> dict[str, int]:
     if events.get("Ir", 0) <= 0:
         raise NoFigure(f"the window {window!r}'s dump counted no instructions")
     return events
-
-
-def dump_total(text: str, window: str) -> int:
-    """The instructions of one window (`dump_events`' Ir)."""
-    return dump_events(text, window)["Ir"]
 
 
 def control(pid: int, *args: str) -> None:
@@ -217,16 +209,9 @@ def main(
         raise typer.BadParameter("--variants is phased and/or unwatched")
     try:
         console.print(subprocess.run([require_valgrind(), "--version"], capture_output=True, text=True).stdout.strip())
-        with System(LOGS) as system, bench_server(system):
-            system.create_database(RAILS_DATABASE, migrate=False)
-            system.create_database(SERVICE_DATABASE)
-            _, api_key = system.create_client("bench")
-            rails_url = system.postgres.database_url(RAILS_DATABASE)
-            with running(patient_fakes(rails_url)) as (psp, rail):
-                system.psp, system.rail = psp, rail
-                served = asyncio.run(run_all(Stack(system, api_key), chosen, repeats, windows, seconds, clients,
-                                                    cache_sim))
-                report(served, chosen, tolerance)
+        with patient_stack() as (stack, _):
+            served = asyncio.run(run_all(stack, chosen, repeats, windows, seconds, clients, cache_sim))
+            report(served, chosen, tolerance)
     except NoFigure as exc:
         console.print(f"[bold red]NO FIGURE: {exc}[/]")
         raise typer.Exit(1) from None

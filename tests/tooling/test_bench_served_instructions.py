@@ -4,7 +4,7 @@ and the report of watched over unwatched."""
 import pytest
 
 from bench.instructions import NoFigure
-from bench.served_instructions import Served, dump_events, dump_total, report
+from bench.served_instructions import Served, dump_events, report
 
 DUMP = "version: 1\ncreator: callgrind-3.19.0\ndesc: Trigger: dump w2\n\nevents: Ir\nsummary: 123456789\ntotals: 999\n"
 SIMULATED = ("desc: Trigger: dump w1\nevents: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw Bc Bcm Bi Bim\n"
@@ -12,14 +12,14 @@ SIMULATED = ("desc: Trigger: dump w1\nevents: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr 
 
 
 def test_a_window_is_counted_by_the_summary_of_the_dump_named_after_it():
-    assert dump_total(DUMP, "w2") == 123_456_789
+    assert dump_events(DUMP, "w2") == {"Ir": 123_456_789}
 
 
 def test_another_windows_dump_or_one_written_at_exit_is_no_figure():
     with pytest.raises(NoFigure, match="w1"):
-        dump_total(DUMP, "w1")
+        dump_events(DUMP, "w1")
     with pytest.raises(NoFigure):
-        dump_total(DUMP.replace("desc: Trigger: dump w2", "desc: Trigger: Program termination"), "w2")
+        dump_events(DUMP.replace("desc: Trigger: dump w2", "desc: Trigger: Program termination"), "w2")
 
 
 def test_with_the_caches_simulated_every_event_is_read_by_its_name():
@@ -30,7 +30,7 @@ def test_with_the_caches_simulated_every_event_is_read_by_its_name():
 @pytest.mark.parametrize("summary", ["", "summary: 0\n"])
 def test_a_dump_without_a_count_is_no_figure_not_a_zero(summary):
     with pytest.raises(NoFigure):
-        dump_total(DUMP.replace("summary: 123456789\n", summary), "w2")
+        dump_events(DUMP.replace("summary: 123456789\n", summary), "w2")
 
 
 def test_each_process_is_the_mean_of_its_windows_and_the_report_divides_watched_by_unwatched(capsys):
