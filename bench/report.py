@@ -46,8 +46,10 @@ TARGETS = {
     "p99": ("p99 latency: phased ÷ naive", "<=", 2.0, "×"),
     "watching": ("payments/s: metrics and logs on ÷ off", ">=", 0.95, "×"),
     # Judged side by side on one CPU (bench/watching.py): the replay runs one
-    # after the other drift by more than the 5% this allows.
-    "watching_replays": ("replays/s: metrics and logs on ÷ off, at once on one CPU", ">=", 0.95, "×"),
+    # after the other drift by more than the 5% this allows; and over several
+    # pairs of APIs, since one pair carries its own luck in every round.
+    "watching_replays": ("replays/s: metrics and logs on ÷ off, at once on one CPU, median of the pairs", ">=",
+                         0.95, "×"),
     # Judged side by side too (bench/outbox.py): the service's own CPU, the
     # fake merchant's left out, and both sides at the same moments.
     "outbox": ("the service's CPU per new payment: with webhooks ÷ without, at once", "<=", 1.05, "×"),
@@ -228,7 +230,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             for q in runs if q["kind"] == other and q["round"] == p["round"]
         ]
         side = results.get("watching_side_by_side", {}).get(str(workers))
-        side_on = side["figures"]["on"] if side else {}
+        side_on = watching_judged(side) if side else {}
         outbox = results.get("outbox_side_by_side", {}).get(str(workers))
         outbox_figures = outbox["figures"] if outbox else {}
         ceiling_tps = results["ceiling"].get("tps")
@@ -474,6 +476,12 @@ def print_refunds(results: dict[str, Any], block: dict[str, Any]) -> None:
     console.print(table)
 
 
+def watching_judged(side: dict[str, Any]) -> dict[str, Any]:
+    """The watched API's judged ratios of a watching step: the median over its pairs of APIs, or, in a result
+    from before the step had pairs, its one pair's."""
+    return side["judged"] if "judged" in side else side["figures"]["on"]
+
+
 def print_watching(block: dict[str, Any]) -> None:
     """Metrics and logs on (the defaults) beside off, for new payments and replays: what watching costs."""
     w, ratio = block["workers"], block["ratio"]
@@ -503,16 +511,24 @@ def print_watching(block: dict[str, Any]) -> None:
                       "", "")
     side = block.get("side_by_side")
     if side:
-        on, off = side["figures"]["on"], side["figures"]["off"]
-        table.add_row(f"replays at once on one CPU, {side['rounds']} rounds of {side['seconds']:g} s "
-                      "(the judged figure): replays/s, median of the rounds' ratios",
-                      fmt(statistics.median(on["per_second"]), 0), fmt(statistics.median(off["per_second"]), 0),
-                      fmt(on["rate_ratio"], 3, "×"))
-        table.add_row("  API CPU ms per replay, median of the rounds' ratios",
-                      fmt(on["cpu_ms_per_request_median"], 3), fmt(off["cpu_ms_per_request_median"], 3),
-                      fmt(on["cpu_ratio"], 3, "×"))
-        table.add_row("  replays/s on ÷ off, each round", ", ".join(f"{x:.2f}" for x in on["rate_ratio_per_round"]),
-                      "", "")
+        pairs = side.get("pairs") or [{"whose": "one pair", "figures": side["figures"]}]
+        for pair in pairs:
+            on, off = pair["figures"]["on"], pair["figures"]["off"]
+            table.add_row(f"replays at once on one CPU ({pair['whose']}), {side['rounds']} rounds of "
+                          f"{side['seconds']:g} s: replays/s, median of the rounds' ratios",
+                          fmt(statistics.median(on["per_second"]), 0), fmt(statistics.median(off["per_second"]), 0),
+                          fmt(on["rate_ratio"], 3, "×"))
+            table.add_row("  API CPU ms per replay, median of the rounds' ratios",
+                          fmt(on["cpu_ms_per_request_median"], 3), fmt(off["cpu_ms_per_request_median"], 3),
+                          fmt(on["cpu_ratio"], 3, "×"))
+            table.add_row("  replays/s on ÷ off, each round",
+                          ", ".join(f"{x:.2f}" for x in on["rate_ratio_per_round"]), "", "")
+        if "judged" in side:
+            judged = side["judged"]
+            table.add_row(f"replays/s on ÷ off, the median of the {judged['pairs']} pairs (the judged figure)", "", "",
+                          fmt(judged["rate_ratio"], 3, "×"))
+            table.add_row("  API CPU per replay on ÷ off, the median of the pairs", "", "",
+                          fmt(judged["cpu_ratio"], 3, "×"))
     console.print(table)
 
 

@@ -103,7 +103,10 @@ both at once,
         watched, watched, unwatched, a quarter of the replay time each:
         warm-up, run, check
         the same replays, watched and unwatched at once on one CPU
-        (bench/watching.py): 8 rounds, the watching target for replays
+        (bench/watching.py): 8 rounds on the run's own two APIs, then
+        on two more pairs started for the step, each after a measured
+        run's time of new payments through both at once (checked); the
+        watching target for replays is the median of the three pairs
         new payments with and without webhooks at once (bench/outbox.py),
         the merchant taking one event a POST, then lists (the judged pass):
         each pass the worker's CPU at rest for 5 s, then 6 rounds of a quarter
@@ -169,6 +172,9 @@ SETTLE_REPLAY_SECONDS = 3.0
 # Rounds of replays with the watched and unwatched APIs at once on one CPU
 # (bench/watching.py), each a quarter of the replay time.
 SIDE_BY_SIDE_ROUNDS = 8
+# Pairs of watched and unwatched APIs those rounds are run on: the run's
+# own, then fresh ones; the target judges the median of the pairs.
+WATCHING_PAIRS = 3
 # Rounds of new payments with and without webhooks at once (bench/outbox.py),
 # each a quarter of a measured run.
 OUTBOX_ROUNDS = 6
@@ -466,26 +472,76 @@ class Bench:
         """The same replays, watched and unwatched at once on one CPU (bench/watching.py): the judged figure.
 
         The runs above, one after the other, drift by more than the 5% the
-        target allows; here whatever slows the CPU slows both alike.
+        target allows; here whatever slows the CPU slows both alike. What
+        the rounds of one pair of processes cannot remove is that pair's own
+        luck, which each of its rounds carries (bench/watching.py::across_pairs):
+        so the run's own pair is measured, then `WATCHING_PAIRS - 1` pairs
+        started for the step, and the target judges the median of the pairs.
+        A fresh pair first serves new payments at once for a measured run's
+        time, as the run's own pair had served its rounds' (fewer of them).
         """
-        both = {"on": services[PHASED], "off": services[UNWATCHED]}
+        own = {"on": services[PHASED], "off": services[UNWATCHED]}
         paid = {"on": last[PHASED][:REPLAY_KEYS], "off": last[UNWATCHED][:REPLAY_KEYS]}
+        pairs = [await self.watching_pair(own, paid, workers, "the run's own APIs")]
+        unpaired: list[Check] = []  # a fresh pair's checks when it has no rounds to carry them
+        for number in range(2, WATCHING_PAIRS + 1):
+            whose = f"watching pair {number}"
+            fresh = {"on": api(self.dbs.service_url, self.psp, self.rail, workers, PHASED, whose=whose),
+                     "off": api(self.dbs.service_url, self.psp, self.rail, workers, UNWATCHED, whose=whose)}
+            with running(list(fresh.values())):
+                served, checks = await self.serve_new_payments(fresh, workers, whose)
+                if not all(served.values()):  # a failure of the bench, not a pair to leave out quietly
+                    unpaired += checks + [Check(f"{whose} served new payments", False, "no payment finished")]
+                    console.print(f"[red]{whose}: no payment finished: nothing to replay[/]")
+                    continue
+                pairs.append(await self.watching_pair(fresh, served, workers, f"{whose}, started for the step",
+                                                      checks))
+        judged = watching.across_pairs([pair["figures"] for pair in pairs])
+        self.side_by_side[str(workers)] = {
+            "rounds": SIDE_BY_SIDE_ROUNDS, "seconds": pairs[0]["seconds"], "pairs": pairs, "judged": judged,
+            "exactly_once": verdict([check for pair in pairs for check in pair.pop("checks")] + unpaired),
+        }
+        console.print(f"[{workers}w] replays side by side on one CPU, judged over {judged['pairs']} pairs of APIs: "
+                      f"watched ÷ unwatched, replays/s {report.fmt(judged['rate_ratio'], 3)} (pairs "
+                      f"{', '.join(f'{r:.3f}' for r in judged['rate_ratio_per_pair'])}), API CPU per replay "
+                      f"{report.fmt(judged['cpu_ratio'], 3)} (pairs "
+                      f"{', '.join(f'{r:.3f}' for r in judged['cpu_ratio_per_pair'])}); medians of the pairs")
+
+    async def serve_new_payments(self, pair: dict[str, Service], workers: int,
+                                 whose: str) -> tuple[dict[str, list[Paid]], list[Check]]:
+        """A measured run's time of new payments through both of `pair` at once, half the clients each, checked."""
+        seconds = self.params.duration
+        half = max(1, self.params.concurrency // 2)
+        with console.status(f"[{workers}w] {whose}: new payments through both at once for {seconds:g} s"):
+            async with Load(pair["on"].url, self.dbs.api_key, half) as on, \
+                    Load(pair["off"].url, self.dbs.api_key, half) as off:
+                results = dict(zip(pair, await asyncio.gather(on.new_payments(seconds),
+                                                              off.new_payments(seconds))))
+        checks = [check for name, variant in (("on", PHASED), ("off", UNWATCHED))
+                  for check in await exactly_once(variant, self.dbs.service_url, self.dbs.rails_url,
+                                                  self.dbs.client_id, results[name])]
+        return {name: result.paid[:REPLAY_KEYS] for name, result in results.items()}, checks
+
+    async def watching_pair(self, pair: dict[str, Service], paid: dict[str, list[Paid]], workers: int,
+                            whose: str, checks: list[Check] | None = None) -> dict[str, Any]:
+        """`SIDE_BY_SIDE_ROUNDS` rounds of replays against both of `pair` at once on one CPU, and their checks."""
         seconds = max(1.0, self.params.replay_duration / 4)
-        with console.status(f"[{workers}w] replays, watched and unwatched at once on one CPU: "
+        checks = list(checks or [])
+        with console.status(f"[{workers}w] replays, watched and unwatched at once on one CPU ({whose}): "
                             f"{SIDE_BY_SIDE_ROUNDS} rounds of {seconds:g} s"):
-            async with Load(both["on"].url, self.dbs.api_key, self.params.concurrency // 2) as on, \
-                    Load(both["off"].url, self.dbs.api_key, self.params.concurrency // 2) as off:
+            async with Load(pair["on"].url, self.dbs.api_key, self.params.concurrency // 2) as on, \
+                    Load(pair["off"].url, self.dbs.api_key, self.params.concurrency // 2) as off:
                 figures, results = await watching.side_by_side_replays(
-                    both, {"on": on, "off": off}, paid, SIDE_BY_SIDE_ROUNDS, seconds)
-            checks = [check for name in both for result in results[name]
-                      for check in await replays_check(self.dbs.rails_url, result, paid[name])]
-        self.side_by_side[str(workers)] = {"rounds": SIDE_BY_SIDE_ROUNDS, "seconds": seconds, "figures": figures,
-                                           "exactly_once": verdict(checks)}
+                    pair, {"on": on, "off": off}, paid, SIDE_BY_SIDE_ROUNDS, seconds)
+            checks += [check for name in pair for result in results[name]
+                       for check in await replays_check(self.dbs.rails_url, result, paid[name])]
         on_figures = figures["on"]
-        console.print(f"[{workers}w] replays side by side on one CPU: watched ÷ unwatched, API CPU per replay "
-                      f"{on_figures['cpu_ratio']:.3f}, replays/s {on_figures['rate_ratio']:.3f} (medians of "
+        console.print(f"[{workers}w] replays side by side on one CPU ({whose}): watched ÷ unwatched, API CPU per "
+                      f"replay {on_figures['cpu_ratio']:.3f}, replays/s {on_figures['rate_ratio']:.3f} (medians of "
                       f"{SIDE_BY_SIDE_ROUNDS} rounds); exactly-once "
                       + ("ok" if all(c.ok for c in checks) else "[red]FAILED[/]"))
+        return {"whose": whose, "seconds": seconds, "figures": figures, "exactly_once": verdict(checks),
+                "checks": checks}
 
     async def outbox_side_by_side(self, services: dict[str, Service], workers: int, warmup: float = 1.0) -> None:
         """New payments with and without webhooks at once (bench/outbox.py): the outbox's judged figure.

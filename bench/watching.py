@@ -179,6 +179,26 @@ def summary(measured: dict[str, list[tuple[float, float, RunResult]]], base: str
     return out
 
 
+def across_pairs(pairs: list[dict[str, Any]], name: str = "on") -> dict[str, Any]:
+    """`name`'s ratios to the base over several pairs of processes: each pair's median, and their median.
+
+    A pair's rounds share the pair's luck: two processes of the same code
+    and settings can differ by a few per cent for as long as they live (their
+    memory's layout, their hash seed), and every round of the pair carries
+    that difference. Rounds cannot average it away; more pairs can. Each
+    element of `pairs` is a `summary` of one pair's rounds.
+    """
+    rates = [pair[name]["rate_ratio"] for pair in pairs if pair[name].get("rate_ratio") is not None]
+    cpus = [pair[name]["cpu_ratio"] for pair in pairs if pair[name].get("cpu_ratio") is not None]
+    return {
+        "pairs": len(pairs),
+        "rate_ratio_per_pair": rates,
+        "rate_ratio": round(statistics.median(rates), 4) if rates else None,
+        "cpu_ratio_per_pair": cpus,
+        "cpu_ratio": round(statistics.median(cpus), 4) if cpus else None,
+    }
+
+
 def print_summary(title: str, figures: dict[str, Any]) -> None:
     console.print(f"[bold]{title}[/]")
     for name, f in figures.items():

@@ -1,4 +1,5 @@
-"""bench/watching.py's summary of the side-by-side rounds: the CPU and rate ratios, and the user/system split."""
+"""bench/watching.py's summary of the side-by-side rounds: the CPU and rate ratios, the user/system split, and
+the judged figure over several pairs of APIs."""
 
 import os
 import subprocess
@@ -9,7 +10,8 @@ from types import SimpleNamespace
 import psutil
 
 from bench.load import RunResult
-from bench.watching import split_seconds, summary
+from bench.report import watching_judged
+from bench.watching import across_pairs, split_seconds, summary
 
 
 def result(requests: int, elapsed: float = 1.0) -> RunResult:
@@ -61,3 +63,31 @@ def test_a_process_that_spins_in_the_kernel_reads_as_system_time_and_one_in_pyth
             process.wait()
     assert k_system > 2 * k_user
     assert p_user > 10 * max(p_system, 0.01)
+
+
+def pair(cpu_on: float, rate_on: float) -> dict:
+    """One pair's `summary`: the watched API's rounds against the unwatched one's 1 ms and 100 replays/s."""
+    return summary({"on": [(cpu_on / 1000, rate_on, result(int(rate_on)))],
+                    "off": [(0.001, 100.0, result(100))]})
+
+
+def test_the_judged_figure_is_the_median_of_the_pairs_not_the_first_pair_or_the_mean():
+    # The run's own pair unlucky (0.94), the two fresh ones not: the median
+    # is the middle pair's 0.97; the first pair alone would miss the target,
+    # the mean (0.963) would be moved by the unlucky one.
+    pairs = [pair(1.06, 94.0), pair(1.02, 98.0), pair(1.03, 97.0)]
+    judged = across_pairs(pairs)
+    assert judged["pairs"] == 3
+    assert judged["rate_ratio_per_pair"] == [0.94, 0.98, 0.97]
+    assert judged["rate_ratio"] == 0.97
+    assert judged["cpu_ratio"] == 1.03
+    # The report's target reads the median of a step with pairs, and the one
+    # pair of a result from before the step had pairs.
+    assert watching_judged({"judged": judged, "pairs": pairs})["rate_ratio"] == 0.97
+    assert watching_judged({"figures": pairs[0]})["rate_ratio"] == 0.94
+
+
+def test_a_pair_whose_base_served_nothing_is_left_out_of_the_median():
+    served_nothing = summary({"on": [(0.001, 50.0, result(50))], "off": [(0.0, 0.0, result(0))]})
+    judged = across_pairs([pair(1.01, 99.0), served_nothing])
+    assert judged["rate_ratio_per_pair"] == [0.99] and judged["rate_ratio"] == 0.99
