@@ -15,7 +15,8 @@ bench/costs.py::cpu_of) per replay and its replays per second, and the
 ratios of a round are nearly free of the machine's drift. The pinning is undone at the end.
 
 `make bench` (bench/run.py) runs it after its own replay runs, on its
-watched and unwatched APIs, and judges the watching target by it. Run
+watched and unwatched APIs and on two more such pairs it starts, and
+judges the watching target by the median of the pairs (`across_pairs`). Run
 alone, this script starts three APIs: watched (`on`, the defaults),
 unwatched (`off`: METRICS_ENABLED=false LOG_LEVEL=WARNING) and unwatched
 again (`off-again`, the control: how far two identical processes differ).
