@@ -525,7 +525,9 @@ def print_watching(block: dict[str, Any]) -> None:
                           ", ".join(f"{x:.2f}" for x in on["rate_ratio_per_round"]), "", "")
         if "judged" in side:
             judged = side["judged"]
-            table.add_row(f"replays/s on ÷ off, the median of the {judged['pairs']} pairs (the judged figure)", "", "",
+            # `measured` since 2026-12-06: a result before it counted every pair measured in `pairs`.
+            of = f" of {judged['measured']} measured" if judged.get("measured", judged["pairs"]) != judged["pairs"] else ""
+            table.add_row(f"replays/s on ÷ off, the median of {judged['pairs']} pairs{of} (the judged figure)", "", "",
                           fmt(judged["rate_ratio"], 3, "×"))
             table.add_row("  API CPU per replay on ÷ off, the median of the pairs", "", "",
                           fmt(judged["cpu_ratio"], 3, "×"))

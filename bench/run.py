@@ -501,7 +501,8 @@ class Bench:
             "rounds": SIDE_BY_SIDE_ROUNDS, "seconds": pairs[0]["seconds"], "pairs": pairs, "judged": judged,
             "exactly_once": verdict([check for pair in pairs for check in pair.pop("checks")] + unpaired),
         }
-        console.print(f"[{workers}w] replays side by side on one CPU, judged over {judged['pairs']} pairs of APIs: "
+        console.print(f"[{workers}w] replays side by side on one CPU, judged over {judged['pairs']} of the "
+                      f"{judged['measured']} pairs of APIs measured: "
                       f"watched ÷ unwatched, replays/s {report.fmt(judged['rate_ratio'], 3)} (pairs "
                       f"{', '.join(f'{r:.3f}' for r in judged['rate_ratio_per_pair'])}), API CPU per replay "
                       f"{report.fmt(judged['cpu_ratio'], 3)} (pairs "

@@ -187,12 +187,15 @@ def across_pairs(pairs: list[dict[str, Any]], name: str = "on") -> dict[str, Any
     and settings can differ by a few per cent for as long as they live (their
     memory's layout, their hash seed), and every round of the pair carries
     that difference. Rounds cannot average it away; more pairs can. Each
-    element of `pairs` is a `summary` of one pair's rounds.
+    element of `pairs` is a `summary` of one pair's rounds. `pairs` in the
+    answer counts the pairs whose ratio is in the median; `measured`, all of
+    them (a pair whose base served nothing has no ratio).
     """
     rates = [pair[name]["rate_ratio"] for pair in pairs if pair[name].get("rate_ratio") is not None]
     cpus = [pair[name]["cpu_ratio"] for pair in pairs if pair[name].get("cpu_ratio") is not None]
     return {
-        "pairs": len(pairs),
+        "measured": len(pairs),
+        "pairs": len(rates),
         "rate_ratio_per_pair": rates,
         "rate_ratio": round(statistics.median(rates), 4) if rates else None,
         "cpu_ratio_per_pair": cpus,

@@ -77,7 +77,7 @@ def test_the_judged_figure_is_the_median_of_the_pairs_not_the_first_pair_or_the_
     # the mean (0.963) would be moved by the unlucky one.
     pairs = [pair(1.06, 94.0), pair(1.02, 98.0), pair(1.03, 97.0)]
     judged = across_pairs(pairs)
-    assert judged["pairs"] == 3
+    assert judged["pairs"] == judged["measured"] == 3
     assert judged["rate_ratio_per_pair"] == [0.94, 0.98, 0.97]
     assert judged["rate_ratio"] == 0.97
     assert judged["cpu_ratio"] == 1.03
@@ -91,3 +91,5 @@ def test_a_pair_whose_base_served_nothing_is_left_out_of_the_median():
     served_nothing = summary({"on": [(0.001, 50.0, result(50))], "off": [(0.0, 0.0, result(0))]})
     judged = across_pairs([pair(1.01, 99.0), served_nothing])
     assert judged["rate_ratio_per_pair"] == [0.99] and judged["rate_ratio"] == 0.99
+    # Counted as measured, not as one of the pairs the median is of.
+    assert judged["measured"] == 2 and judged["pairs"] == 1
