@@ -1,6 +1,6 @@
 """What watching costs a replay: the watched and unwatched APIs on one CPU, at the same time.
 
-    .venv/bin/python -m bench.watching [--rounds 10] [--seconds 5] [--new-payments 0]
+    .venv/bin/python -m bench.watching [--rounds 10] [--seconds 5] [--new-payments 0] [--no-control] [--workers 1]
 
 Runs one after the other, as `make bench`'s rounds are, move between runs
 of the same code on a 2-CPU virtual machine (a CPU that is slower for a
@@ -22,7 +22,9 @@ unwatched (`off`: METRICS_ENABLED=false LOG_LEVEL=WARNING) and unwatched
 again (`off-again`, the control: how far two identical processes differ).
 `--new-payments S` then drives S seconds of new payments through each (at
 once, too) and replays again: whether serving payments makes a process's
-later replays dearer.
+later replays dearer. `--no-control` leaves the control out, so that two
+APIs share the CPU, as in `make bench`'s pairs; `--workers N` gives each API
+N worker processes, as its step with N workers does.
 """
 
 from __future__ import annotations
@@ -238,16 +240,21 @@ def main(
     seconds: float = typer.Option(5.0, "--seconds", min=1),
     new_payments: float = typer.Option(0.0, "--new-payments", min=0,
                                         help="Seconds of new payments before a second set of replay rounds."),
+    control: bool = typer.Option(True, "--control/--no-control",
+                                 help="Also the second unwatched API; without it, two APIs share the CPU, as in "
+                                      "make bench's pairs."),
+    workers: int = typer.Option(1, "--workers", min=1, help="Worker processes of each API."),
 ) -> None:
     """Price watching a replay with the watched and unwatched APIs side by side on one CPU."""
+    variants = VARIANTS if control else {name: VARIANTS[name] for name in ("on", "off")}
     with database_server() as server:
         dbs = prepare_databases(server)
         psp, rail = fakes(dbs.rails_url)
         system = System()
         system.database_url, system.psp, system.rail = dbs.service_url, psp, rail
-        apis = {name: Service.of(system.api_process(command="api", args=("--workers", "1"), **settings),
+        apis = {name: Service.of(system.api_process(command="api", args=("--workers", str(workers)), **settings),
                                  f"{name} API")
-                for name, settings in VARIANTS.items()}
+                for name, settings in variants.items()}
         with running([psp, rail, *apis.values()]):
 
             async def go() -> None:
@@ -257,12 +264,12 @@ def main(
                     if not all(paid.values()):
                         raise SystemExit("no payment finished: nothing to replay")
                     figures, _ = await side_by_side_replays(apis, loads, paid, rounds_, seconds)
-                    print_summary(f"replays: {rounds_} rounds of {seconds:g} s, all three at once", figures)
+                    print_summary(f"replays: {rounds_} rounds of {seconds:g} s, all {len(apis)} at once", figures)
                     if new_payments:
                         with pinned(apis):
                             measured = await rounds(apis, lambda name, s: loads[name].new_payments(s), 1,
                                                     new_payments)
-                        print_summary(f"new payments: {new_payments:g} s, all three at once", summary(measured))
+                        print_summary(f"new payments: {new_payments:g} s, all {len(apis)} at once", summary(measured))
                         figures, _ = await side_by_side_replays(apis, loads, paid, rounds_, seconds)
                         print_summary("replays, after the new payments", figures)
                 finally:
