@@ -71,6 +71,7 @@ The kernel's part and preemptions per payment, per process of ours
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import shutil
@@ -363,6 +364,7 @@ class CpuMark:
     wakeups: dict[str, dict[int, int]] = field(default_factory=dict)  # role -> pid -> voluntary switches so far
     preempted: dict[str, dict[int, int]] = field(default_factory=dict)  # role -> pid -> involuntary switches so far
     in_kernel: dict[str, dict[int, float]] = field(default_factory=dict)  # role -> pid -> system CPU s (ticks)
+    waited: dict[str, dict[int, float]] = field(default_factory=dict)  # role -> pid -> s runnable, off a CPU, so far
 
 
 def cpu_of(process: psutil.Process) -> float | None:
@@ -407,6 +409,21 @@ def in_kernel_of(process: psutil.Process) -> float | None:
         return None
 
 
+def waited_of(process: psutil.Process) -> float | None:
+    """Seconds so far that the process's main thread could run but waited for a CPU (Linux's run queue delay).
+
+    The second figure of /proc/<pid>/schedstat, in nanoseconds: how a
+    process that got less CPU than another tells "it was not given a CPU"
+    from "it had nothing to do". None where the file is not there (not
+    Linux, or the kernel keeps no scheduler statistics) or the process is gone.
+    """
+    try:
+        with open(f"/proc/{process.pid}/schedstat") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _process_cpu_clock(pid: int) -> int:
     """The clock id of a process's CPU time, all its threads together, as Linux numbers it.
 
@@ -426,6 +443,20 @@ def _machine_busy() -> float:
 def _by_role(before: dict[str, dict[int, Any]], after: dict[str, dict[int, Any]]) -> dict[str, Any]:
     """A count per role between two marks, summed over its processes; a process new since the first from zero."""
     return {role: sum(n - before.get(role, {}).get(pid, 0) for pid, n in pids.items()) for role, pids in after.items()}
+
+
+@dataclass(frozen=True)
+class WorkerShare:
+    """One API worker process in a measured run: the CPU it spent, the answers it gave, and how long it waited for a CPU."""
+
+    cpu_seconds: float
+    requests: int  # answers on the connections it held at the end
+    connections: int  # the clients' connections it held at the end
+    waited_seconds: float  # runnable but not on a CPU (its main thread)
+    preemptions: int  # taken off a CPU with work left
+
+    def to_json(self) -> dict[str, float | int]:
+        return dataclasses.asdict(self)
 
 
 class CpuMeter:
@@ -454,6 +485,7 @@ class CpuMeter:
             mark.wakeups[role] = {p.pid: w for p in processes if (w := wakeups_of(p)) is not None}
             mark.preempted[role] = {p.pid: n for p in processes if (n := preempted_of(p)) is not None}
             mark.in_kernel[role] = {p.pid: k for p in processes if (k := in_kernel_of(p)) is not None}
+            mark.waited[role] = {p.pid: w for p in processes if (w := waited_of(p)) is not None}
         if self.postmaster is not None:
             databases = dict(await self.conn.fetch("SELECT pid, datname FROM pg_stat_activity"))
             for process in [self.postmaster, *self.postmaster.children()]:
@@ -502,14 +534,30 @@ class CpuMeter:
         return _by_role(before.in_kernel, after.in_kernel)
 
     @staticmethod
-    def split(before: CpuMark, after: CpuMark, role: str, pids: set[int]) -> list[float]:
-        """The CPU seconds of a role's processes `pids` (uvicorn's workers), largest first: how evenly they shared the load.
+    def workers(before: CpuMark, after: CpuMark, role: str, held: dict[int, set[int]],
+                answered: Counter[int]) -> list[WorkerShare]:
+        """What each of a role's worker processes did between the marks, the busiest first: how evenly they shared the load.
 
-        Every worker is in it, an idle one with its 0.0: that is the skew to see.
+        Every worker in `held` is in it, an idle one with its 0.0 (that is the
+        skew to see); no other process of the role (uvicorn's supervisor).
+        `held` maps each worker's pid to the clients' ports of the connections
+        it holds at the end; `answered` counts the answers the clients got by
+        their own port. A worker's requests are the answers on the
+        connections it holds, so a connection closed during the run (a worker
+        shedding its excess, app/fastpath/reuse_port.py) is counted by no one.
         """
-        spent = [s - before.seconds.get(role, {}).get(pid, 0.0) for pid, s in after.seconds.get(role, {}).items()
-                 if pid in pids]
-        return sorted((round(s, 3) for s in spent), reverse=True)
+        def between(field_: str, pid: int) -> Any:
+            """A figure of one process at the second mark less the first (from zero if it is new since)."""
+            return (getattr(after, field_).get(role, {}).get(pid, 0)
+                    - getattr(before, field_).get(role, {}).get(pid, 0))
+
+        shares = [WorkerShare(cpu_seconds=round(between("seconds", pid), 3),
+                              requests=sum(answered[port] for port in held[pid]),
+                              connections=len(held[pid]),
+                              waited_seconds=round(between("waited", pid), 3),
+                              preemptions=between("preempted", pid))
+                  for pid in after.seconds.get(role, {}) if pid in held]
+        return sorted(shares, key=lambda w: -w.cpu_seconds)
 
     @staticmethod
     def _by_name(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> Counter[str]:

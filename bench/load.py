@@ -19,7 +19,10 @@ the kernel chooses one per connection, and a worker holding more than its
 share closes the excess after an answer, which aiohttp opens again
 (app/fastpath/reuse_port.py). The bench reports how the API's CPU was split
 between its workers in every round (the busiest ÷ the idlest is a target),
-so a skew shows.
+so a skew shows; and, to tell a worker that served more from one that spent
+more on each answer, how many answers each served: the clients count their
+answers by the local port of the connection that carried them, and the
+bench maps those ports to the worker holding each connection at the end.
 
 Only the answer the test expects counts as a success, and latency is
 measured for successes only:
@@ -119,6 +122,9 @@ class RunResult:
     references: list[str] = field(default_factory=list)  # every new payment or refund sent, answered or not
     elapsed: float = 0.0
     refunded: list[Refunded] = field(default_factory=list)  # refunds that got their 201 succeeded
+    # Answers (any status) by the client's own port of the connection that
+    # carried them: which API worker served how many (bench/costs.py::CpuMeter.workers).
+    answered: Counter[int | None] = field(default_factory=Counter)
 
     @property
     def succeeded(self) -> int:
@@ -168,6 +174,24 @@ def latency_ms(ordered: list[float]) -> dict[str, float | None]:
 Request = Callable[[RunResult], Awaitable[None]]
 
 
+class PortedResponse(aiohttp.ClientResponse):
+    """aiohttp's response, remembering the local port of the connection it came on.
+
+    Read as the answer starts: a short answer arrives whole with its
+    headers, and aiohttp gives its connection back to the pool before the
+    caller could ask for it.
+    """
+
+    client_port: int | None = None
+
+    async def start(self, connection: aiohttp.connector.Connection) -> PortedResponse:
+        transport = connection.transport
+        sockname = transport.get_extra_info("sockname") if transport is not None else None
+        self.client_port = sockname[1] if sockname else None
+        await super().start(connection)
+        return self
+
+
 class _Exhausted(Exception):
     """A request had nothing left to send: its client stops before the deadline."""
 
@@ -178,11 +202,13 @@ class Load:
     def __init__(self, base_url: str, api_key: str, concurrency: int) -> None:
         self.base_url, self.api_key, self.concurrency = base_url, api_key, concurrency
         self.connected = False  # whether the clients' connections are open (after the first run)
+        self.answered: Counter[int | None] = Counter()  # the current run's, by client port
 
     async def __aenter__(self) -> Load:
         self.session = aiohttp.ClientSession(
             base_url=self.base_url,
             connector=aiohttp.TCPConnector(limit=self.concurrency),
+            response_class=PortedResponse,
             headers={"Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json"},
             timeout=aiohttp.ClientTimeout(total=60),
         )
@@ -194,6 +220,7 @@ class Load:
     async def run(self, request: Request, duration: float) -> RunResult:
         """Every client sends `request` after `request` until the deadline."""
         result = RunResult()
+        self.answered = result.answered
         deadline = time.monotonic() + duration
 
         async def client(number: int) -> None:
@@ -216,6 +243,7 @@ class Load:
         started = time.perf_counter()
         try:
             async with self.session.post(path, data=body, headers={"Idempotency-Key": key}) as response:
+                self.answered[response.client_port] += 1
                 content = await response.read()
                 replayed = response.headers.get("Idempotent-Replayed") == "true"
                 return response.status, replayed, content, time.perf_counter() - started

@@ -140,16 +140,24 @@ def summarize_kind(runs: list[dict[str, Any]], latency: dict[str, Any]) -> dict[
         "preemptions": {role: _per(count, n) for role, count in counted["preemptions"].items()},
         "cpu_ms_in_kernel": {role: _per(s, n, 1000) for role, s in counted["cpu_seconds_in_kernel"].items()},
         "machine_busy_percent": mean(r["machine_busy_percent"] or 0 for r in runs),
-        "api_split_percent": [_split(r["cpu_seconds_api_by_process"]) for r in runs],
+        "api_split_percent": [_split(r) for r in runs],
         "api_balance": [balance(r["cpu_seconds_api_by_process"]) for r in runs],
         "exactly_once": all(r["exactly_once"]["pass"] for r in runs),
     }
 
 
-def _split(seconds: list[float]) -> str:
-    """How the API's CPU was shared by its worker processes, e.g. "62/38 (1.63)": the busiest ÷ the idlest in brackets."""
-    b = balance(seconds)
-    return "-" if b is None else "/".join(f"{p:.0f}" for p in b["percent"]) + f" ({fmt(b['max_over_min'], 2)})"
+def _split(run: dict[str, Any]) -> str:
+    """How a run's API CPU was shared by its worker processes, e.g. "62/38 (1.63; answers 61/39)".
+
+    The busiest ÷ the idlest in brackets, and the same workers' shares of
+    the answers where the run recorded them.
+    """
+    b = balance(run["cpu_seconds_api_by_process"])
+    if b is None:
+        return "-"
+    answers = served(run.get("api_workers", []), run.get("api_answers_unplaced")).get("answers_percent")
+    return ("/".join(f"{p:.0f}" for p in b["percent"]) + f" ({fmt(b['max_over_min'], 2)}"
+            + (f"; answers {'/'.join(f'{p:.0f}' for p in answers)}" if answers else "") + ")")
 
 
 def balance(seconds: list[float]) -> dict[str, Any] | None:
@@ -174,7 +182,27 @@ def worst_balance(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not measured:
         return None
     b, r = max(measured, key=lambda br: br[0]["max_over_min"])
-    return {"kind": r["kind"], "round": r["round"], **b, "connections": r.get("api_connections_by_process", [])}
+    return {"kind": r["kind"], "round": r["round"], **b, "connections": r.get("api_connections_by_process", []),
+            **served(r.get("api_workers", []), r.get("api_answers_unplaced"))}
+
+
+def served(workers: list[dict[str, Any]], unplaced: int | None) -> dict[str, Any]:
+    """What tells a worker that served more from one that spent more on each answer, busiest (by CPU) first.
+
+    Each worker's share of the answers placed on a worker, the busiest's CPU
+    an answer ÷ the idlest's, each one's wait for a CPU, and the answers on
+    connections closed before the end; nothing for a run from before these
+    were recorded, or one with no answer placed.
+    """
+    answers = [w["requests"] for w in workers]
+    if len(workers) < 2 or not sum(answers) or not all(answers):
+        return {}
+    first, last = workers[0], workers[-1]
+    return {"answers_percent": [round(100 * n / sum(answers), 1) for n in answers],
+            "cpu_per_answer_ratio": (first["cpu_seconds"] / first["requests"]) / (last["cpu_seconds"] / last["requests"])
+            if last["cpu_seconds"] > 0 else None,
+            "waited_seconds": [w["waited_seconds"] for w in workers],
+            "answers_unplaced": unplaced}
 
 
 def target(key: str, value: float | None) -> dict[str, Any]:
@@ -435,7 +463,12 @@ def print_balance(block: dict[str, Any]) -> None:
                   f"{worst['round']}): {' / '.join(f'{p:.0f}%' for p in worst['percent'])}, max ÷ min "
                   f"{fmt(worst['max_over_min'], 2)}, target ≤ {goal:.2f}"
                   + (f"; clients' connections held {' / '.join(map(str, held))}" if (held := worst.get("connections"))
-                     else "") + "[/]")
+                     else "")
+                  + (f"; answers served {' / '.join(f'{p:.0f}%' for p in worst['answers_percent'])}, CPU an answer "
+                     f"busiest ÷ idlest {fmt(worst['cpu_per_answer_ratio'], 2)}, waited for a CPU "
+                     f"{' / '.join(f'{s:.2f} s' for s in worst['waited_seconds'])}"
+                     f" ({worst['answers_unplaced']} answers on connections closed during the round)"
+                     if "answers_percent" in worst else "") + "[/]")
 
 
 def print_refunds(results: dict[str, Any], block: dict[str, Any]) -> None:

@@ -71,7 +71,11 @@ the API's CPU by worker process, at 2 or more workers per API
     Each round's split between the worker processes, and the busiest's CPU ÷
     the idlest's: a worker left with few of the keep-alive connections
     leaves the API bound by one process's CPU. The target: at most 1.2x in
-    the least even round.
+    the least even round. Beside it, for each worker, the clients'
+    connections it held at the end, the answers it gave on them, and how
+    long it waited for a CPU: a worker that spent more because it served
+    more, given more of the CPUs, shows even CPU an answer; one that spent
+    more on each answer does not.
 the database-only ceiling (pgbench)
     See bench/ceiling.py: our rate as a fraction of what PostgreSQL alone
     could do with the same statements.
@@ -154,7 +158,7 @@ from app.admin import create_client
 from app.outbox.endpoints import MAX_EVENTS_PER_POST
 from bench import batches, ceiling, costs, outbox, rate_at_once, report, watching
 from bench.checks import Check, exactly_once, refunds_check, replays_check
-from bench.costs import STATS_SETTLE_SECONDS, CpuMeter, Wal, WalCount
+from bench.costs import STATS_SETTLE_SECONDS, CpuMeter, Wal, WalCount, WorkerShare
 from bench.load import Load, Paid, RunResult, latency_ms, refund_order
 from bench.report import REFUNDS
 from bench.system import (
@@ -223,8 +227,7 @@ class Measured:
     wakeups: dict[str, int] = field(default_factory=dict)  # wake-ups by process of ours during the run
     preemptions: dict[str, int] = field(default_factory=dict)  # times taken off a CPU with work left, the same
     kernel: dict[str, float] = field(default_factory=dict)  # the kernel's CPU seconds for each process of ours
-    api_split: list[float] = field(default_factory=list)  # the CPU seconds of each of the API's worker processes
-    api_connections: list[int] = field(default_factory=list)  # the clients' connections each worker held at the end
+    api_workers: list[WorkerShare] = field(default_factory=list)  # each of the API's worker processes, the busiest first
     others: list[tuple[str, float]] = field(default_factory=list)  # the busiest processes not ours
     checks: list[Check] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds of the bench's own time, by step
@@ -256,8 +259,13 @@ class Measured:
                 "per_operation": None if self.xact_delta is None or not window else self.xact_delta / window,
             },
             "cpu_seconds": {k: round(v, 3) for k, v in self.cpu.items()},
-            "cpu_seconds_api_by_process": self.api_split,
-            "api_connections_by_process": self.api_connections,
+            "cpu_seconds_api_by_process": [w.cpu_seconds for w in self.api_workers],
+            "api_connections_by_process": [w.connections for w in self.api_workers],
+            # The same order (the busiest first): each worker's answers, its wait for a CPU, and
+            # the answers on connections closed before the end, which no worker is credited with.
+            "api_workers": [w.to_json() for w in self.api_workers],
+            "api_answers_unplaced": self.result.answered.total() - sum(w.requests for w in self.api_workers)
+            if self.api_workers else None,
             "cpu_seconds_busiest_other_processes": dict(self.others),
             "cpu_ms_per_operation": {k: round(v * 1000 / n, 3) if n else None for k, v in self.cpu.items()},
             "wakeups": self.wakeups,
@@ -720,15 +728,14 @@ class Bench:
             before = await self.cpu.mark(roles())
             result = await drive(duration)
             after = await self.cpu.mark(roles())
-            held = api.connections() if workers > 1 else []  # the clients' kept-alive ones are still open
+            held = api.client_ports() if workers > 1 else {}  # the clients' kept-alive ones are still open
             end_lsn = await self.wal.end()
         timings["run"] = lap()
         measured = Measured(kind, workers, round_, warm, result, cpu=CpuMeter.spent(before, after),
                             wakeups=CpuMeter.woken(before, after),
                             preemptions=CpuMeter.preemptions(before, after),
                             kernel=CpuMeter.kernel_part(before, after),
-                            api_split=CpuMeter.split(before, after, "API", {p.pid for p in api.workers()}),
-                            api_connections=held,
+                            api_workers=CpuMeter.workers(before, after, "API", held, result.answered),
                             others=CpuMeter.busiest_others(before, after))
         with console.status(f"{label}: checking; idling {STATS_SETTLE_SECONDS:g} s for PostgreSQL's statistics"):
             measured.wal, measured.checks = await asyncio.gather(

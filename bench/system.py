@@ -241,14 +241,18 @@ class Service(Process):
 
     def connections(self) -> list[int]:
         """The connections each worker process holds from clients, most first (while the load's are open)."""
-        held = []
+        return sorted((len(ports) for ports in self.client_ports().values()), reverse=True)
+
+    def client_ports(self) -> dict[int, set[int]]:
+        """Each worker process's pid, and the clients' ports of the connections it holds (while the load's are open)."""
+        held = {}
         for process in self.workers():
             try:
-                held.append(sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == self.port
-                                for c in process.net_connections("tcp")))
+                held[process.pid] = {c.raddr.port for c in process.net_connections("tcp")
+                                     if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == self.port}
             except psutil.Error:
                 pass
-        return sorted(held, reverse=True)
+        return held
 
     def stop(self) -> None:
         if not self.running:
