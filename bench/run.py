@@ -179,6 +179,10 @@ SIDE_BY_SIDE_ROUNDS = 8
 # Pairs of watched and unwatched APIs those rounds are run on: the run's
 # own, then fresh ones; the target judges the median of the pairs.
 WATCHING_PAIRS = 3
+# Rounds of new payments through the same pairs, watched and unwatched at
+# once, each with half of the clients, each a quarter of a measured run:
+# the judged figure of watching's cost to a new payment.
+WATCHING_NEW_ROUNDS = 4
 # Rounds of new payments with and without webhooks at once (bench/outbox.py),
 # each a quarter of a measured run.
 OUTBOX_ROUNDS = 6
@@ -477,59 +481,90 @@ class Bench:
 
     async def watching_side_by_side(self, services: dict[str, Service], last: dict[str, list[Paid]],
                                     workers: int) -> None:
-        """The same replays, watched and unwatched at once on one CPU (bench/watching.py): the judged figure.
+        """New payments and replays, watched and unwatched at once (bench/watching.py): the judged figures.
 
         The runs above, one after the other, drift by more than the 5% the
-        target allows; here whatever slows the CPU slows both alike. What
+        target allows; here whatever slows the machine slows both alike. What
         the rounds of one pair of processes cannot remove is that pair's own
         luck, which each of its rounds carries (bench/watching.py::across_pairs):
         so the run's own pair is measured, then `WATCHING_PAIRS - 1` pairs
-        started for the step, and the target judges the median of the pairs.
-        A fresh pair first serves new payments at once for a measured run's
-        time, as the run's own pair had served its rounds' (fewer of them).
+        started for the step, and each target judges the median of the pairs.
+        Each pair first serves new payments at once (`watching_new_payments`),
+        then replays at once on one CPU (`watching_pair`); a fresh pair
+        replays the payments it has just served.
         """
         own = {"on": services[PHASED], "off": services[UNWATCHED]}
         paid = {"on": last[PHASED][:REPLAY_KEYS], "off": last[UNWATCHED][:REPLAY_KEYS]}
-        pairs = [await self.watching_pair(own, paid, workers, "the run's own APIs")]
+        new, _, checks = await self.watching_new_payments(own, workers, "the run's own APIs")
+        pairs = [await self.watching_pair(own, paid, workers, "the run's own APIs", checks) | {"new_payments": new}]
         unpaired: list[Check] = []  # a fresh pair's checks when it has no rounds to carry them
         for number in range(2, WATCHING_PAIRS + 1):
             whose = f"watching pair {number}"
             fresh = {"on": api(self.dbs.service_url, self.psp, self.rail, workers, PHASED, whose=whose),
                      "off": api(self.dbs.service_url, self.psp, self.rail, workers, UNWATCHED, whose=whose)}
             with running(list(fresh.values())):
-                served, checks = await self.serve_new_payments(fresh, workers, whose)
+                new, served, checks = await self.watching_new_payments(fresh, workers, whose)
                 if not all(served.values()):  # a failure of the bench, not a pair to leave out quietly
                     unpaired += checks + [Check(f"{whose} served new payments", False, "no payment finished")]
                     console.print(f"[red]{whose}: no payment finished: nothing to replay[/]")
                     continue
                 pairs.append(await self.watching_pair(fresh, served, workers, f"{whose}, started for the step",
-                                                      checks))
+                                                      checks) | {"new_payments": new})
         judged = watching.across_pairs([pair["figures"] for pair in pairs])
+        judged_new = watching.across_pairs([pair["new_payments"] for pair in pairs])
         self.side_by_side[str(workers)] = {
             "rounds": SIDE_BY_SIDE_ROUNDS, "seconds": pairs[0]["seconds"], "pairs": pairs, "judged": judged,
+            "new_payments": {"rounds": WATCHING_NEW_ROUNDS, "seconds": self.watching_new_seconds,
+                             "judged": judged_new},
             "exactly_once": verdict([check for pair in pairs for check in pair.pop("checks")] + unpaired),
         }
-        console.print(f"[{workers}w] replays side by side on one CPU, judged over {judged['pairs']} of the "
-                      f"{judged['measured']} pairs of APIs measured: "
-                      f"watched ÷ unwatched, replays/s {report.fmt(judged['rate_ratio'], 3)} (pairs "
-                      f"{', '.join(f'{r:.3f}' for r in judged['rate_ratio_per_pair'])}), API CPU per replay "
-                      f"{report.fmt(judged['cpu_ratio'], 3)} (pairs "
-                      f"{', '.join(f'{r:.3f}' for r in judged['cpu_ratio_per_pair'])}); medians of the pairs")
+        for what, each, figures in (("new payments", "payment", judged_new), ("replays", "replay", judged)):
+            console.print(f"[{workers}w] {what} side by side, judged over {figures['pairs']} of the "
+                          f"{figures['measured']} pairs of APIs measured: "
+                          f"watched ÷ unwatched, {what}/s {report.fmt(figures['rate_ratio'], 3)} (pairs "
+                          f"{', '.join(f'{r:.3f}' for r in figures['rate_ratio_per_pair'])}), API CPU per "
+                          f"{each} {report.fmt(figures['cpu_ratio'], 3)} (pairs "
+                          f"{', '.join(f'{r:.3f}' for r in figures['cpu_ratio_per_pair'])}); medians of the pairs")
 
-    async def serve_new_payments(self, pair: dict[str, Service], workers: int,
-                                 whose: str) -> tuple[dict[str, list[Paid]], list[Check]]:
-        """A measured run's time of new payments through both of `pair` at once, half the clients each, checked."""
-        seconds = self.params.duration
+    @property
+    def watching_new_seconds(self) -> float:
+        return max(1.0, self.params.duration / WATCHING_NEW_ROUNDS)
+
+    async def watching_new_payments(self, pair: dict[str, Service], workers: int, whose: str
+                                    ) -> tuple[dict[str, Any], dict[str, list[Paid]], list[Check]]:
+        """New payments through both of `pair` at once, half the clients each: watching's cost to a new payment.
+
+        A warm-up (not counted, as the rounds' own), then `WATCHING_NEW_ROUNDS`
+        rounds, each reading both APIs' CPU per payment and payments per
+        second at the same moments (bench/watching.py::rounds). Not pinned:
+        most of a new payment's work is the database's and the fakes', and
+        both APIs share the whole machine's moments as they are. Every
+        payment is checked; the figures (bench/watching.py::summary), the
+        payments to replay, and the checks.
+        """
+        seconds = self.watching_new_seconds
         half = max(1, self.params.concurrency // 2)
-        with console.status(f"[{workers}w] {whose}: new payments through both at once for {seconds:g} s"):
+        with console.status(f"[{workers}w] new payments, watched and unwatched at once ({whose}): warm-up, then "
+                            f"{WATCHING_NEW_ROUNDS} rounds of {seconds:g} s"):
             async with Load(pair["on"].url, self.dbs.api_key, half) as on, \
                     Load(pair["off"].url, self.dbs.api_key, half) as off:
-                results = dict(zip(pair, await asyncio.gather(on.new_payments(seconds),
-                                                              off.new_payments(seconds))))
-        checks = [check for name, variant in (("on", PHASED), ("off", UNWATCHED))
+                loads = {"on": on, "off": off}
+                warm = dict(zip(loads, await asyncio.gather(*(load.new_payments(self.params.warmup)
+                                                              for load in loads.values()))))
+                measured = await watching.rounds(pair, lambda name, s: loads[name].new_payments(s),
+                                                 WATCHING_NEW_ROUNDS, seconds)
+        results = {name: [warm[name], *(result for _, _, result in measured[name])] for name in pair}
+        checks = [check for name, variant in (("on", PHASED), ("off", UNWATCHED)) for result in results[name]
                   for check in await exactly_once(variant, self.dbs.service_url, self.dbs.rails_url,
-                                                  self.dbs.client_id, results[name])]
-        return {name: result.paid[:REPLAY_KEYS] for name, result in results.items()}, checks
+                                                  self.dbs.client_id, result)]
+        figures = watching.summary(measured)
+        console.print(f"[{workers}w] new payments, watched and unwatched at once ({whose}): watched ÷ unwatched, "
+                      f"API CPU per payment {report.fmt(figures['on'].get('cpu_ratio'), 3)}, payments/s "
+                      f"{report.fmt(figures['on'].get('rate_ratio'), 3)} (medians of {WATCHING_NEW_ROUNDS} rounds); "
+                      "exactly-once "
+                      + ("ok" if all(c.ok for c in checks) else "[red]FAILED[/]"))
+        paid = {name: [p for result in results[name] for p in result.paid][:REPLAY_KEYS] for name in pair}
+        return figures, paid, checks
 
     async def watching_pair(self, pair: dict[str, Service], paid: dict[str, list[Paid]], workers: int,
                             whose: str, checks: list[Check] | None = None) -> dict[str, Any]:

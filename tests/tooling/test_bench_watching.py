@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import psutil
 
 from bench.load import RunResult
-from bench.report import watching_judged
+from bench.report import print_watching, summarize, watching_judged
 from bench.watching import across_pairs, split_seconds, summary
+from tests.tooling.test_bench_balance import _results, _run
 
 
 def result(requests: int, elapsed: float = 1.0) -> RunResult:
@@ -93,3 +94,30 @@ def test_a_pair_whose_base_served_nothing_is_left_out_of_the_median():
     assert judged["rate_ratio_per_pair"] == [0.99] and judged["rate_ratio"] == 0.99
     # Counted as measured, not as one of the pairs the median is of.
     assert judged["measured"] == 2 and judged["pairs"] == 1
+
+
+def test_new_payments_watching_is_judged_at_once_over_the_pairs_and_by_the_rounds_only_in_a_result_without_them():
+    # One after the other the watched service looks faster (100 ÷ 80): the
+    # host slowed between the rounds. At once, in three pairs, it is 0.93.
+    unwatched = _run("unwatched", 1, 1, [5.0])
+    unwatched["run"] = unwatched["run"] | {"per_second": 80.0}
+    old = _results([_run("phased", 1, 1, [5.0]), unwatched])
+    replays = [pair(1.03, 97.0)] * 3
+    new = [pair(1.08, 93.0), pair(1.09, 92.0), pair(1.07, 94.0)]
+    side = {"rounds": 8, "seconds": 5.0, "judged": across_pairs(replays),
+            "pairs": [{"whose": f"pair {n}", "figures": r, "new_payments": p} for n, (r, p) in enumerate(zip(replays, new))],
+            "new_payments": {"rounds": 4, "seconds": 5.0, "judged": across_pairs(new)},
+            "exactly_once": {"pass": True, "checks": []}}
+    now = old | {"watching_side_by_side": {"1": side}}
+
+    [before] = summarize(old)["blocks"]
+    [block] = summarize(now)["blocks"]
+    watching = {t["target"]: t for t in block["targets"] if "on ÷ off" in t["target"]}
+
+    assert [t["value"] for t in before["targets"] if t["target"] == "payments/s: metrics and logs on ÷ off"] == [1.25]
+    assert set(watching) == {"new payments/s: metrics and logs on ÷ off, at once, median of the pairs",
+                             "replays/s: metrics and logs on ÷ off, at once on one CPU, median of the pairs"}
+    judged = watching["new payments/s: metrics and logs on ÷ off, at once, median of the pairs"]
+    assert judged["value"] == 0.93 and judged["met"] is False
+    assert block["ratio"]["watching"] == 1.25 and block["ratio"]["watching_new_side_by_side_cpu"] == 1.08
+    print_watching(block)  # the table's rows for each pair and the judged figure

@@ -1,0 +1,129 @@
+"""How evenly `payments api --workers N` shares its work: many short rounds, and what each worker did in each.
+
+    .venv/bin/python -m bench.shares [--rounds 40] [--seconds 5] [--workers 2] [--kind replays|new]
+
+`make bench` judges the API workers' shares (the busiest's CPU ÷ the
+idlest's, at most 1.2 in its least even round) over a handful of rounds; a
+skew that comes once in many rounds needs many more to be seen, and seen
+twice. This runs only that: the watched API (the defaults) with N worker
+processes, and round after round of replays of finished payments (or of
+new payments), each round with a fresh set of clients, as `make bench`'s
+replay rounds are: their connections arrive one by one, are hashed to a
+worker's socket and kept even by the workers (app/fastpath/reuse_port.py).
+
+For each worker in each round it prints the CPU it spent, the clients'
+connections it held at the end, the answers it gave on them, and how long
+it was runnable but waiting for a CPU (bench/costs.py::CpuMeter.workers).
+Those tell the two kinds of skew apart. A worker that spent more because
+the scheduler gave it more of the CPUs served more answers at the same
+CPU an answer, and the other waited longer for a CPU; a worker that spent
+more on each answer (a collection, a slower path) shows a higher CPU an
+answer, whatever it served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from typing import Any
+
+import asyncpg
+import typer
+
+from bench.costs import CpuMeter, WorkerShare
+from bench.load import Load, Paid
+from bench.report import balance, served
+from bench.system import PHASED, api, console, database_server, fakes, prepare_databases, running
+
+CLIENTS = 32  # as make bench's rounds
+WARMUP_SECONDS = 1.0  # each round's clients connect, one by one, and settle before it is measured
+REPLAY_KEYS = 1000
+
+
+def figures(shares: list[WorkerShare], answered: int) -> dict[str, Any]:
+    """One round's shares as the report reads them (bench/report.py::served), and the answers no worker held."""
+    workers = [w.to_json() for w in shares]
+    placed = sum(w.requests for w in shares)
+    return {"workers": workers, "balance": balance([w.cpu_seconds for w in shares]),
+            **served(workers, answered - placed)}
+
+
+def line(number: int, round_: dict[str, Any]) -> str:
+    b = round_["balance"]
+    if b is None:
+        return f"round {number}: no CPU split to show"
+    text = (f"round {number}: CPU {'/'.join(f'{p:.0f}' for p in b['percent'])} (max ÷ min {b['max_over_min']:.2f})"
+            f", connections {'/'.join(str(w['connections']) for w in round_['workers'])}")
+    if "answers_percent" in round_:
+        text += (f", answers {'/'.join(f'{p:.0f}' for p in round_['answers_percent'])}, CPU an answer busiest ÷ "
+                 f"idlest {round_['cpu_per_answer_ratio']:.2f}, waited for a CPU "
+                 f"{' / '.join(f'{s:.2f}' for s in round_['waited_seconds'])} s, "
+                 f"{round_['answers_unplaced']} on connections closed during it")
+    return text
+
+
+def summary(rounds: list[dict[str, Any]], bound: float) -> str:
+    """How many rounds went past `bound`, and, over them, whether the busiest served more or spent more an answer."""
+    ratios = [r["balance"]["max_over_min"] for r in rounds if r["balance"]]
+    uneven = [r for r in rounds if r["balance"] and r["balance"]["max_over_min"] > bound]
+    text = (f"{len(rounds)} round{'' if len(rounds) == 1 else 's'}: max ÷ min median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}; "
+            f"{len(uneven)} over {bound:g}")
+    explained = [r for r in uneven if "answers_percent" in r]
+    if explained:
+        text += ("; in those, CPU an answer busiest ÷ idlest "
+                 + ", ".join(f"{r['cpu_per_answer_ratio']:.2f}" for r in explained)
+                 + "; the idlest waited for a CPU "
+                 + ", ".join(f"{r['waited_seconds'][-1] - r['waited_seconds'][0]:+.2f}" for r in explained)
+                 + " s more than the busiest")
+    return text
+
+
+def main(
+    rounds_: int = typer.Option(40, "--rounds", min=1),
+    seconds: float = typer.Option(5.0, "--seconds", min=1),
+    workers: int = typer.Option(2, "--workers", min=2, help="Worker processes of the API."),
+    kind: str = typer.Option("replays", "--kind", help="replays (as make bench's uneven round) or new (payments)."),
+    bound: float = typer.Option(1.2, "--bound", help="The busiest ÷ the idlest a round may reach (make bench's target)."),
+) -> None:
+    """Round after round against one API with N workers: each worker's CPU, connections, answers and wait."""
+    if kind not in ("replays", "new"):
+        raise typer.BadParameter("--kind is replays or new")
+    with database_server() as server:
+        dbs = prepare_databases(server)
+        psp, rail = fakes(dbs.rails_url)
+        service = api(dbs.service_url, psp, rail, workers, PHASED)
+        with running([psp, rail, service]):
+
+            async def go() -> list[dict[str, Any]]:
+                conn = await asyncpg.connect(server.url)
+                meter = CpuMeter(conn)
+                await meter.setup()
+                try:
+                    async with Load(service.url, dbs.api_key, CLIENTS) as load:
+                        paid: list[Paid] = (await load.new_payments(3.0)).paid[:REPLAY_KEYS]
+                    if not paid:
+                        raise SystemExit("no payment finished: nothing to replay")
+                    measured = []
+                    for number in range(1, rounds_ + 1):
+                        async with Load(service.url, dbs.api_key, CLIENTS) as load:
+                            drive = ((lambda s: load.replays(paid, s)) if kind == "replays"
+                                     else load.new_payments)
+                            await drive(WARMUP_SECONDS)
+                            before = await meter.mark({"API": service.tree()})
+                            result = await drive(seconds)
+                            after = await meter.mark({"API": service.tree()})
+                            held = service.client_ports()
+                        round_ = figures(CpuMeter.workers(before, after, "API", held, result.answered),
+                                         result.answered.total())
+                        measured.append(round_)
+                        console.print(line(number, round_))
+                    return measured
+                finally:
+                    await conn.close()
+
+            measured = asyncio.run(go())
+    console.print(summary(measured, bound))
+
+
+if __name__ == "__main__":
+    typer.run(main)
