@@ -1,15 +1,16 @@
 """How evenly `payments api --workers N` shares its work: many short rounds, and what each worker did in each.
 
-    .venv/bin/python -m bench.shares [--rounds 40] [--seconds 5] [--workers 2] [--kind replays|new]
+    .venv/bin/python -m bench.shares [--rounds 40] [--seconds 5] [--warmup 3] [--workers 2] [--kind replays|new]
 
 `make bench` judges the API workers' shares (the busiest's CPU ÷ the
 idlest's, at most 1.2 in its least even round) over a handful of rounds; a
 skew that comes once in many rounds needs many more to be seen, and seen
 twice. This runs only that: the watched API (the defaults) with N worker
 processes, and round after round of replays of finished payments (or of
-new payments), each round with a fresh set of clients, as `make bench`'s
-replay rounds are: their connections arrive one by one, are hashed to a
-worker's socket and kept even by the workers (app/fastpath/reuse_port.py).
+new payments), each round with a fresh set of clients and the same
+warm-up as `make bench`'s replay rounds: their connections arrive one by
+one, are hashed to a worker's socket and kept even by the workers
+(app/fastpath/reuse_port.py), and only then is the round measured.
 
 For each worker in each round it prints the CPU it spent, the clients'
 connections it held at the end, the answers it gave on them, and how long
@@ -36,7 +37,7 @@ from bench.report import balance, served
 from bench.system import PHASED, api, console, database_server, fakes, prepare_databases, running
 
 CLIENTS = 32  # as make bench's rounds
-WARMUP_SECONDS = 1.0  # each round's clients connect, one by one, and settle before it is measured
+WARMUP_SECONDS = 3.0  # as make bench's: each round's clients connect, one by one, and settle (--warmup)
 REPLAY_KEYS = 1000
 
 
@@ -84,6 +85,9 @@ def main(
     workers: int = typer.Option(2, "--workers", min=2, help="Worker processes of the API."),
     kind: str = typer.Option("replays", "--kind", help="replays (as make bench's uneven round) or new (payments)."),
     bound: float = typer.Option(1.2, "--bound", help="The busiest ÷ the idlest a round may reach (make bench's target)."),
+    warmup: float = typer.Option(WARMUP_SECONDS, "--warmup", min=0,
+                                 help="Seconds of each round's clients before it is measured: their connections "
+                                      "arrive and the workers even their shares."),
 ) -> None:
     """Round after round against one API with N workers: each worker's CPU, connections, answers and wait."""
     if kind not in ("replays", "new"):
@@ -108,7 +112,7 @@ def main(
                         async with Load(service.url, dbs.api_key, CLIENTS) as load:
                             drive = ((lambda s: load.replays(paid, s)) if kind == "replays"
                                      else load.new_payments)
-                            await drive(WARMUP_SECONDS)
+                            await drive(warmup)
                             before = await meter.mark({"API": service.tree()})
                             result = await drive(seconds)
                             after = await meter.mark({"API": service.tree()})
