@@ -196,7 +196,8 @@ def served(workers: list[dict[str, Any]], unplaced: int | None) -> dict[str, Any
     Each worker's share of the answers placed on a worker, the busiest's CPU
     an answer ÷ the idlest's, each one's wait for a CPU, and the answers on
     connections closed before the end; nothing for a run from before these
-    were recorded, or one with no answer placed.
+    were recorded, with one worker, or with a worker no answer was placed on
+    (its CPU an answer has no value).
     """
     answers = [w["requests"] for w in workers]
     if len(workers) < 2 or not sum(answers) or not all(answers):

@@ -763,7 +763,7 @@ class Bench:
             before = await self.cpu.mark(roles())
             result = await drive(duration)
             after = await self.cpu.mark(roles())
-            held = api.client_ports() if workers > 1 else {}  # the clients' kept-alive ones are still open
+            held = api.client_ports()  # while the clients' kept-alive connections are still open
             end_lsn = await self.wal.end()
         timings["run"] = lap()
         measured = Measured(kind, workers, round_, warm, result, cpu=CpuMeter.spent(before, after),
