@@ -140,7 +140,7 @@ bench-outbox: $(STAMP)
 
 # Only the API workers' shares (bench/shares.py): the watched API with 2 workers, 40 rounds of 5 s replays, each
 # with fresh clients and a 3 s warm-up, and each worker's CPU, connections, answers and wait for a CPU in every
-# round; about 6 minutes (docs/reference/performance.md#served-more-or-spent-more-an-answer-2026-12-06-night).
+# round: 40 x 8 s of load after the start-up (docs/reference/performance.md#served-more-or-spent-more-an-answer-2026-12-06-night).
 bench-shares: $(STAMP)
 	$(BIN)/python -m bench.shares
 

@@ -239,10 +239,6 @@ class Service(Process):
                 pass
         return workers
 
-    def connections(self) -> list[int]:
-        """The connections each worker process holds from clients, most first (while the load's are open)."""
-        return sorted((len(ports) for ports in self.client_ports().values()), reverse=True)
-
     def client_ports(self) -> dict[int, set[int]]:
         """Each worker process's pid, and the clients' ports of the connections it holds (while the load's are open)."""
         held = {}
