@@ -33,7 +33,7 @@ import typer
 
 from bench.costs import CpuMeter, WorkerShare
 from bench.load import Load, Paid
-from bench.report import balance, served
+from bench.report import balance, fmt, served
 from bench.system import PHASED, api, console, database_server, fakes, prepare_databases, running
 
 CLIENTS = 32  # as make bench's rounds
@@ -57,7 +57,7 @@ def line(number: int, round_: dict[str, Any]) -> str:
             f", connections {'/'.join(str(w['connections']) for w in round_['workers'])}")
     if "answers_percent" in round_:
         text += (f", answers {'/'.join(f'{p:.0f}' for p in round_['answers_percent'])}, CPU an answer busiest ÷ "
-                 f"idlest {round_['cpu_per_answer_ratio']:.2f}, waited for a CPU "
+                 f"idlest {fmt(round_['cpu_per_answer_ratio'], 2)}, waited for a CPU "
                  f"{' / '.join(f'{s:.2f}' for s in round_['waited_seconds'])} s, "
                  f"{round_['answers_unplaced']} on connections closed during it")
     return text
@@ -66,13 +66,16 @@ def line(number: int, round_: dict[str, Any]) -> str:
 def summary(rounds: list[dict[str, Any]], bound: float) -> str:
     """How many rounds went past `bound`, and, over them, whether the busiest served more or spent more an answer."""
     ratios = [r["balance"]["max_over_min"] for r in rounds if r["balance"]]
+    counted = f"{len(rounds)} round{'' if len(rounds) == 1 else 's'}"
+    if not ratios:
+        return f"{counted}: none split the CPU between two workers that spent any"
     uneven = [r for r in rounds if r["balance"] and r["balance"]["max_over_min"] > bound]
-    text = (f"{len(rounds)} round{'' if len(rounds) == 1 else 's'}: max ÷ min median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}; "
+    text = (f"{counted}: max ÷ min median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}; "
             f"{len(uneven)} over {bound:g}")
     explained = [r for r in uneven if "answers_percent" in r]
     if explained:
         text += ("; in those, CPU an answer busiest ÷ idlest "
-                 + ", ".join(f"{r['cpu_per_answer_ratio']:.2f}" for r in explained)
+                 + ", ".join(fmt(r["cpu_per_answer_ratio"], 2) for r in explained)
                  + "; the idlest waited for a CPU "
                  + ", ".join(f"{r['waited_seconds'][-1] - r['waited_seconds'][0]:+.2f}" for r in explained)
                  + " s more than the busiest")

@@ -31,3 +31,11 @@ def test_the_summary_names_only_the_rounds_past_the_bound_and_how_much_longer_th
     assert text.endswith("in those, CPU an answer busiest ÷ idlest 1.00, 1.30; "
                          "the idlest waited for a CPU +1.20, +0.00 s more than the busiest")
     assert summary([even], bound=1.2) == "1 round: max ÷ min median 1.04, worst 1.04; 0 over 1.2"
+
+
+def test_a_round_whose_idlest_worker_spent_nothing_or_a_run_with_no_split_still_prints():
+    idle = figures([_share(3.0, 600, 0.4), _share(0.0, 5, 0.0)], answered=605)
+
+    assert "CPU an answer busiest ÷ idlest n/a" in line(1, idle)
+    assert summary([figures([_share(3.0, 600, 0.4)], answered=600)], bound=1.2) == (
+        "1 round: none split the CPU between two workers that spent any")
