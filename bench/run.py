@@ -534,11 +534,12 @@ class Bench:
                                     ) -> tuple[dict[str, Any], dict[str, list[Paid]], list[Check]]:
         """New payments through both of `pair` at once, half the clients each: watching's cost to a new payment.
 
-        A warm-up (not counted, as the rounds' own), then `WATCHING_NEW_ROUNDS`
-        rounds, each reading both APIs' CPU per payment and payments per
-        second at the same moments (bench/watching.py::rounds). Not pinned:
-        most of a new payment's work is the database's and the fakes', and
-        both APIs share the whole machine's moments as they are. Every
+        A warm-up, not counted (a fresh pair's first requests are its
+        slowest), then `WATCHING_NEW_ROUNDS` rounds, each reading both APIs'
+        CPU per payment and payments per second at the same moments
+        (bench/watching.py::rounds). Not pinned: most of a new payment's work
+        is the database's and the fakes', and pinning only the APIs would
+        not make the two sides share anything more than they already do. Every
         payment is checked; the figures (bench/watching.py::summary), the
         payments to replay, and the checks.
         """
