@@ -454,6 +454,8 @@ class WorkerShare:
     connections: int  # the clients' connections it held at the end
     waited_seconds: float  # runnable but not on a CPU (its main thread)
     preemptions: int  # taken off a CPU with work left
+    kernel_seconds: float | None = None  # of cpu_seconds, the kernel's work for it (system time, in ticks)
+    pid: int | None = None  # to find the worker in a profile of the run (bench/shares.py --perf)
 
     def to_json(self) -> dict[str, float | int]:
         return dataclasses.asdict(self)
@@ -555,7 +557,9 @@ class CpuMeter:
                               requests=sum(answered[port] for port in held[pid]),
                               connections=len(held[pid]),
                               waited_seconds=round(between("waited", pid), 3),
-                              preemptions=between("preempted", pid))
+                              preemptions=between("preempted", pid),
+                              kernel_seconds=round(between("in_kernel", pid), 3),
+                              pid=pid)
                   for pid in after.seconds.get(role, {}) if pid in held]
         return sorted(shares, key=lambda w: -w.cpu_seconds)
 

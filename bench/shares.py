@@ -25,7 +25,10 @@ answer, whatever it served.
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
+import time
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -91,6 +94,7 @@ def main(
     warmup: float = typer.Option(WARMUP_SECONDS, "--warmup", min=0,
                                  help="Seconds of each round's clients before it is measured: their connections "
                                       "arrive and the workers even their shares."),
+    out: Path | None = typer.Option(None, "--json", help="Also write every round's figures to this file."),
 ) -> None:
     """Round after round against one API with N workers: each worker's CPU, connections, answers and wait."""
     if kind not in ("replays", "new"):
@@ -117,11 +121,14 @@ def main(
                                      else load.new_payments)
                             await drive(warmup)
                             before = await meter.mark({"API": service.tree()})
+                            started = time.monotonic()
                             result = await drive(seconds)
+                            ended = time.monotonic()
                             after = await meter.mark({"API": service.tree()})
                             held = service.client_ports()
                         round_ = figures(CpuMeter.workers(before, after, "API", held, result.answered),
                                          result.answered.total())
+                        round_["monotonic"] = [started, ended]  # to find the round in a profile of the run
                         measured.append(round_)
                         console.print(line(number, round_))
                     return measured
@@ -130,6 +137,8 @@ def main(
 
             measured = asyncio.run(go())
     console.print(summary(measured, bound))
+    if out is not None:
+        out.write_text(json.dumps({"rounds": measured, "seconds": seconds, "warmup": warmup, "kind": kind}, indent=1))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ def test_each_worker_is_credited_with_the_answers_on_the_connections_it_holds_an
                      preempted={"API": {first: 10, second: 10}})
     after = CpuMark(seconds={"API": {first: 5.0, second: 7.0}}, waited={"API": {first: 2.5, second: 0.75}},
                     preempted={"API": {first: 40, second: 15}})
+    before.in_kernel = {"API": {first: 0.25, second: 0.5}}
+    after.in_kernel = {"API": {first: 1.0, second: 1.5}}
     held = {first: {50001, 50002}, second: {50003}}
     # 50004's connection was closed during the run: its answers are no one's.
     answered = Counter({50001: 100, 50002: 200, 50003: 500, 50004: 7, None: 1})
@@ -53,8 +55,10 @@ def test_each_worker_is_credited_with_the_answers_on_the_connections_it_holds_an
     shares = CpuMeter.workers(before, after, "API", held, answered)
 
     assert [w.to_json() for w in shares] == [
-        {"cpu_seconds": 6.0, "requests": 500, "connections": 1, "waited_seconds": 0.25, "preemptions": 5},
-        {"cpu_seconds": 3.0, "requests": 300, "connections": 2, "waited_seconds": 2.0, "preemptions": 30}]
+        {"cpu_seconds": 6.0, "requests": 500, "connections": 1, "waited_seconds": 0.25, "preemptions": 5,
+         "kernel_seconds": 1.0, "pid": second},
+        {"cpu_seconds": 3.0, "requests": 300, "connections": 2, "waited_seconds": 2.0, "preemptions": 30,
+         "kernel_seconds": 0.75, "pid": first}]
 
 
 def test_the_load_counts_each_answer_by_the_clients_port_the_server_saw_it_come_from():
