@@ -144,6 +144,12 @@ def unavailable() -> str | None:
         return None
     if paranoid > 1 and os.geteuid() != 0:
         return f"kernel.perf_event_paranoid is {paranoid}: sampling another process needs root or at most 1"
+    # A recording of a command that exits at once: what stops perf here (a container without the
+    # event, a kernel without it) stops it there too, before the rounds rather than after them.
+    tried = subprocess.run(["perf", "record", "-e", "cpu-clock", "-o", os.devnull, "--", "true"],
+                           capture_output=True, text=True, timeout=60)
+    if tried.returncode != 0:
+        return f"perf record does not run: {(tried.stderr.strip().splitlines() or ['no message'])[-1]}"
     return None
 
 

@@ -99,3 +99,18 @@ def test_each_round_gets_its_workers_cpu_by_kind_and_an_uneven_round_the_functio
     assert "more_often" not in even and even["on_cpu"][0][GC] == 0.0
     assert f"the collector +{(f // 10) / f:.3f} s" in printed.getvalue().splitlines()[-1]
     assert more_often(_samples(1, 0, {"a": 3}), _samples(2, 0, {"a": 3})) == []
+
+
+def test_perf_missing_or_refused_is_said_before_the_rounds_with_why(monkeypatch):
+    import subprocess
+
+    import bench.cpu_samples as cpu_samples
+
+    monkeypatch.setattr(cpu_samples.shutil, "which", lambda _: None)
+    assert cpu_samples.unavailable() == "perf is not installed (Debian: apt-get install linux-perf)"
+
+    monkeypatch.setattr(cpu_samples.shutil, "which", lambda _: "/usr/bin/perf")
+    refused = subprocess.CompletedProcess([], 255, "", "Error:\nNo permission to enable cpu-clock event.\n")
+    monkeypatch.setattr(cpu_samples.subprocess, "run", lambda *a, **k: refused)
+    monkeypatch.setattr(cpu_samples.os, "geteuid", lambda: 0)  # root: the kernel's setting does not stop it first
+    assert cpu_samples.unavailable() == "perf record does not run: No permission to enable cpu-clock event."
