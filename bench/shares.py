@@ -40,6 +40,7 @@ from typing import Any
 
 import asyncpg
 import typer
+from rich.markup import escape
 
 from bench.costs import CpuMeter, WorkerShare
 from bench.cpu_samples import GC, KERNEL, REST, Recording, Sample, by_window, more_often, seconds_by_kind, unavailable
@@ -118,7 +119,8 @@ def profiled(measured: list[dict[str, Any]], samples: Iterable[Sample], bound: f
             extra.update({k: busiest[k] - idlest[k] for k in (GC, KERNEL, REST)})
             round_["more_often"] = more_often(found[workers[0]["pid"]], found[workers[-1]["pid"]])
             console.print("  the busiest more often in: "
-                          + (", ".join(f"{name} +{s:.3f} s" for name, s in round_["more_often"]) or "nothing"))
+                          # escaped: perf's "[unknown]" would be read as a style by rich, and vanish
+                          + (", ".join(f"{escape(name)} +{s:.3f} s" for name, s in round_["more_often"]) or "nothing"))
     if uneven:
         console.print(f"perf, over the {uneven} round{'' if uneven == 1 else 's'} past {bound:g}: the busiest's "
                       "CPU beyond the idlest's, " + ", ".join(f"{k} {extra[k]:+.3f} s" for k in (GC, KERNEL, REST)))

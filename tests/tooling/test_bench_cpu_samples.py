@@ -87,15 +87,17 @@ def test_each_round_gets_its_workers_cpu_by_kind_and_an_uneven_round_the_functio
                *_samples(12, 10.5, {"_PyEval_EvalFrameDefault": f // 2}),
                # In the uneven round the busiest (pid 12) collected for a tenth of a second more.
                *_samples(12, 20.5, {"_PyEval_EvalFrameDefault": f // 2, "gc_collect_main": f // 10,
-                                    "tcp_recvmsg": 2}),
+                                    "tcp_recvmsg": 2, "[unknown]": 3}),
                *_samples(11, 20.5, {"_PyEval_EvalFrameDefault": f // 2 - f // 20, "tcp_recvmsg": 2})]
 
     profiled([even, uneven], samples, bound=1.2)
 
-    assert uneven["on_cpu"] == [{GC: round((f // 10) / f, 3), KERNEL: round(2 / f, 3), REST: round((f // 2) / f, 3)},
+    assert uneven["on_cpu"] == [{GC: round((f // 10) / f, 3), KERNEL: round(2 / f, 3), REST: round((f // 2 + 3) / f, 3)},
                                 {GC: 0.0, KERNEL: round(2 / f, 3), REST: round((f // 2 - f // 20) / f, 3)}]
     assert uneven["more_often"] == [("gc_collect_main", round((f // 10) / f, 3)),
-                                    ("_PyEval_EvalFrameDefault", round((f // 20) / f, 3))]
+                                    ("_PyEval_EvalFrameDefault", round((f // 20) / f, 3)),
+                                    ("[unknown]", round(3 / f, 3))]
+    assert f"[unknown] +{3 / f:.3f} s" in printed.getvalue()  # printed as it is, not taken for a style
     assert "more_often" not in even and even["on_cpu"][0][GC] == 0.0
     assert f"the collector +{(f // 10) / f:.3f} s" in printed.getvalue().splitlines()[-1]
     assert more_often(_samples(1, 0, {"a": 3}), _samples(2, 0, {"a": 3})) == []
