@@ -141,8 +141,8 @@ def unavailable() -> str | None:
     try:
         paranoid = int(Path("/proc/sys/kernel/perf_event_paranoid").read_text())
     except (OSError, ValueError):
-        return None
-    if paranoid > 1 and os.geteuid() != 0:
+        paranoid = None  # not said here: the recording below tells
+    if paranoid is not None and paranoid > 1 and os.geteuid() != 0:
         return f"kernel.perf_event_paranoid is {paranoid}: sampling another process needs root or at most 1"
     # A recording of a command that exits at once: what stops perf here (a container without the
     # event, a kernel without it) stops it there too, before the rounds rather than after them.
