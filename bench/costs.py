@@ -457,7 +457,7 @@ class WorkerShare:
     kernel_seconds: float | None = None  # of cpu_seconds, the kernel's work for it (system time, in ticks)
     pid: int | None = None  # to find the worker in a profile of the run (bench/shares.py --perf)
 
-    def to_json(self) -> dict[str, float | int]:
+    def to_json(self) -> dict[str, float | int | None]:
         return dataclasses.asdict(self)
 
 
