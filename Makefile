@@ -13,7 +13,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run cluster cluster-ha soak soak-ha test test-batches test-batches-1000 mutants bench bench-batch bench-rate bench-outbox bench-shares bench-explain bench-db-parts bench-instructions bench-webhook-instructions bench-server-instructions bench-served-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
+.PHONY: install run cluster cluster-ha soak soak-ha test test-batches test-batches-1000 mutants bench bench-batch bench-rate bench-outbox bench-watching bench-shares bench-explain bench-db-parts bench-instructions bench-webhook-instructions bench-server-instructions bench-served-instructions bench-growth bench-before-after screenshots lock clean demo-crash demo-crash-all demo-client-bug demo-reconcile demo-naive-crash demo-redis-window demo-webhooks demo-return demo-refund-race
 
 install: $(STAMP)
 
@@ -137,6 +137,11 @@ bench-rate: $(STAMP)
 # six rounds at 1 and 2 workers after a warm-up, the service's CPU per payment with ÷ without (target 1.05x).
 bench-outbox: $(STAMP)
 	$(BIN)/python -m bench.run --outbox-only
+
+# Only the step that judges watching: at 1 and 2 workers, three pairs of APIs (metrics and logs on, off), each
+# serving new payments at once, then replaying at once on one CPU; on ÷ off payments/s and replays/s (target 0.95x).
+bench-watching: $(STAMP)
+	$(BIN)/python -m bench.run --watching-only
 
 # Only the API workers' shares (bench/shares.py): the watched API with 2 workers, 40 rounds of 5 s replays, each
 # with fresh clients and a 3 s warm-up, and each worker's CPU, connections, answers and wait for a CPU in every

@@ -212,6 +212,7 @@ class Params:
     pgbench_duration: float
     rate_only: bool = False  # only the rounds of new payments, phased and naive (--rate-only)
     outbox_only: bool = False  # only the rounds with and without webhooks at once (--outbox-only)
+    watching_only: bool = False  # only the watching step, new payments and replays at once (--watching-only)
     events_per_post: int = LIST_SIZE  # the endpoint's list size in the judged outbox rounds (--events-per-post)
     at_once: tuple[str, str] = rate_at_once.READING  # the services on the two sides of the rounds at once (--at-once)
 
@@ -320,7 +321,7 @@ class Bench:
             for workers in self.params.workers:
                 await self.worker_count(workers)
             p = self.params
-            only = p.rate_only or p.outbox_only
+            only = p.rate_only or p.outbox_only or p.watching_only
             batch_figures = {} if only else await batches.measure(
                 self.dbs, self.psp, self.rail, concurrency=p.concurrency, duration=p.duration, warmup=p.warmup)
             ceiling_figures = {} if only else await self.ceiling()
@@ -350,11 +351,18 @@ class Bench:
         services = apis(self.dbs.service_url, self.psp, self.rail, workers)
         if p.outbox_only:  # the two APIs it compares, and no others idling on the same CPUs
             services = {variant: services[variant] for variant in (PHASED, WEBHOOKS)}
+        if p.watching_only:  # likewise
+            services = {variant: services[variant] for variant in (PHASED, UNWATCHED)}
         with running(list(services.values())):
             if p.outbox_only:
                 console.rule(f"{workers} worker{'s' if workers > 1 else ''} per API: {OUTBOX_ROUNDS} rounds of "
                              f"new payments with and without webhooks at once, {p.concurrency} clients")
                 await self.outbox_side_by_side(services, workers, warmup=max(1.0, p.warmup))
+                return
+            if p.watching_only:
+                console.rule(f"{workers} worker{'s' if workers > 1 else ''} per API: watched and unwatched at once, "
+                             f"{WATCHING_PAIRS} pairs of APIs, {p.concurrency} clients")
+                await self.watching_alone(services, workers)
                 return
             console.rule(f"{workers} worker{'s' if workers > 1 else ''} per API: "
                          f"{p.runs} round{'s' if p.runs > 1 else ''} of {p.duration:g} s each, {p.concurrency} clients")
@@ -479,8 +487,32 @@ class Bench:
                       f"(medians of {RATE_AT_ONCE_ROUNDS} rounds); exactly-once "
                       + ("ok" if all(c.ok for c in checks) else "[red]FAILED[/]"))
 
+    async def watching_alone(self, services: dict[str, Service], workers: int) -> None:
+        """--watching-only: the watching step, its own pair first given payments to replay by a warm-up.
+
+        In a full run the rounds before the step leave the run's own pair
+        the payments it replays; here each API serves new payments for
+        the run's warm-up time (at least a second), one after the other,
+        each payment checked, and the step runs as in a full run.
+        """
+        last: dict[str, list[Paid]] = {}
+        checks: list[Check] = []
+        with console.status(f"[{workers}w] the run's own APIs: new payments to replay, one after the other"):
+            for variant in (PHASED, UNWATCHED):
+                async with Load(services[variant].url, self.dbs.api_key, self.params.concurrency) as load:
+                    result = await load.new_payments(max(1.0, self.params.warmup))
+                checks += await exactly_once(variant, self.dbs.service_url, self.dbs.rails_url, self.dbs.client_id,
+                                             result)
+                last[variant] = result.paid
+        if not all(last.values()):  # a failure of the bench: no step to run
+            checks.append(Check("the run's own APIs served new payments", False, "no payment finished"))
+            self.side_by_side[str(workers)] = {"exactly_once": verdict(checks)}
+            console.print(f"[red]{workers}w: no payment finished: nothing to replay[/]")
+            return
+        await self.watching_side_by_side(services, last, workers, checks)
+
     async def watching_side_by_side(self, services: dict[str, Service], last: dict[str, list[Paid]],
-                                    workers: int) -> None:
+                                    workers: int, checks_before: list[Check] | None = None) -> None:
         """New payments and replays, watched and unwatched at once (bench/watching.py): the judged figures.
 
         The runs above, one after the other, drift by more than the 5% the
@@ -491,7 +523,9 @@ class Bench:
         started for the step, and each target judges the median of the pairs.
         Each pair first serves new payments at once (`watching_new_payments`),
         then replays at once on one CPU (`watching_pair`); a fresh pair
-        replays the payments it has just served.
+        replays the payments it has just served. `checks_before`: those of
+        the payments `last` holds, when this step is the run's only one
+        (`watching_alone`), in the step's verdict.
         """
         own = {"on": services[PHASED], "off": services[UNWATCHED]}
         paid = {"on": last[PHASED][:REPLAY_KEYS], "off": last[UNWATCHED][:REPLAY_KEYS]}
@@ -516,7 +550,8 @@ class Bench:
             "rounds": SIDE_BY_SIDE_ROUNDS, "seconds": pairs[0]["seconds"], "pairs": pairs, "judged": judged,
             "new_payments": {"rounds": WATCHING_NEW_ROUNDS, "seconds": self.watching_new_seconds,
                              "judged": judged_new},
-            "exactly_once": verdict([check for pair in pairs for check in pair.pop("checks")] + unpaired),
+            "exactly_once": verdict([check for pair in pairs for check in pair.pop("checks")] + unpaired
+                                    + list(checks_before or [])),
         }
         for what, each, figures in (("new payments", "payment", judged_new), ("replays", "replay", judged)):
             console.print(f"[{workers}w] {what} side by side, judged over {figures['pairs']} of the "
@@ -951,6 +986,28 @@ def outbox_verdict(results: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def watching_verdict(results: dict[str, Any]) -> dict[str, Any]:
+    """--watching-only's summary: the two watching targets per worker count (as `blocks`, like
+    report.summarize's), and the step's exactly-once verdict."""
+    sides = results.get("watching_side_by_side", {})
+    return {
+        "blocks": [{"workers": int(workers), "targets": [
+            report.target("watching_new", side.get("new_payments", {}).get("judged", {}).get("rate_ratio")),
+            report.target("watching_replays", side.get("judged", {}).get("rate_ratio"))]}
+            for workers, side in sides.items()],
+        "exactly_once_pass": bool(sides) and all(side["exactly_once"]["pass"] for side in sides.values()),
+    }
+
+
+def print_watching_failures(results: dict[str, Any]) -> None:
+    """--watching-only's last lines: each failed check of the step (the first few), and the verdict."""
+    for workers, side in results.get("watching_side_by_side", {}).items():
+        for c in side["exactly_once"]["checks"]:
+            console.print(f"[red]FAIL[/] {workers}w watched and unwatched at once: {c['check']}: {c['detail']}")
+    verdict_ = "[bold green]PASS[/]" if results["exactly_once_pass"] else "[bold red]FAIL[/]"
+    console.print(f"exactly-once, after every round: {verdict_}")
+
+
 def print_outbox_failures(results: dict[str, Any]) -> None:
     """--outbox-only's last lines: each failed check of the side-by-side rounds, and the verdict."""
     for workers, side in results.get("outbox_side_by_side", {}).items():
@@ -1014,6 +1071,11 @@ def main(
         False, "--outbox-only", help="Only the rounds of new payments with and without webhooks at once "
         "(bench/outbox.py), after a warm-up: the outbox's target (no other rounds, replays, refunds or pgbench)."
     ),
+    watching_only: bool = typer.Option(
+        False, "--watching-only", help="Only the watching step: new payments, then replays on one CPU, watched "
+        "and unwatched at once, over three pairs of APIs (bench/watching.py), after a warm-up that gives the "
+        "first pair payments to replay: the two watching targets (no other rounds, refunds or pgbench)."
+    ),
     at_once: str = typer.Option(
         ",".join(rate_at_once.READING), "--at-once", help="The services on the two sides of the rounds at once "
         "(bench/rate_at_once.py), the columns phased and naive: phased,naive; or one service on both, naive,naive "
@@ -1033,14 +1095,15 @@ def main(
         worker_counts = [int(w) for w in workers.split(",") if w.strip()]
     except ValueError:
         raise typer.BadParameter("--workers takes counts such as 1,2") from None
-    if rate_only and outbox_only:
-        raise typer.BadParameter("--rate-only and --outbox-only each run only their own rounds: give one")
+    if rate_only + outbox_only + watching_only > 1:
+        raise typer.BadParameter("--rate-only, --outbox-only and --watching-only each run only their own rounds: "
+                                 "give one")
     try:
         services_at_once = rate_at_once.services_of(at_once)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     params = Params(concurrency, duration, warmup, runs, worker_counts, replay_duration, pgbench_duration, rate_only,
-                    outbox_only, events_per_post, services_at_once)
+                    outbox_only, watching_only, events_per_post, services_at_once)
     signal.signal(signal.SIGTERM, _interrupt)
     started_at = datetime.now(UTC)
     clock = time.monotonic()
@@ -1075,6 +1138,7 @@ def main(
             "rounds": runs,
             "rate_only": rate_only,
             "outbox_only": outbox_only,
+            "watching_only": watching_only,
             "events_per_post": events_per_post,
             "at_once": ",".join(services_at_once),
             "workers": worker_counts,
@@ -1091,6 +1155,10 @@ def main(
         print_outbox_side_by_side(results)
         report.print_targets(results)
         print_outbox_failures(results)
+    elif watching_only:
+        results |= watching_verdict(results)
+        report.print_targets(results)
+        print_watching_failures(results)
     else:
         results |= report.summarize(results)
         results["webhooks"] = webhook_summary(results["runs"])

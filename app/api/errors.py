@@ -50,7 +50,7 @@ def problem_response(
 ) -> Response:
     # Every problem answer is built here, so this counts them all, by type
     # (the 409s, 422s and 503s an operator alerts on: docs/operations.md).
-    metrics.child(metrics.PROBLEMS, problem.slug).inc()
+    metrics.counter(metrics.PROBLEMS, problem.slug).inc()
     body = problem_body(problem, detail, instance=instance, **extensions)
     return Response(
         content=json.dumps(body, default=str),

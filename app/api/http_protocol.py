@@ -243,4 +243,4 @@ def _count(reason: str) -> None:
     # imports this module too (app/cli.py) and counts nothing itself.
     from app.observability import metrics
 
-    metrics.child(metrics.REFUSED, reason).inc()
+    metrics.counter(metrics.REFUSED, reason).inc()

@@ -183,12 +183,12 @@ async def _give_up(
     if final or op.attempt >= settings.max_attempts:
         subject = await atomic(services.engine, park, op, outcome.reason, settings.parked_recheck_seconds,
                                not_sent=not_sent)
-        metrics.child(metrics.PARKS, op.recovery_point, cause).inc()
+        metrics.counter(metrics.PARKS, op.recovery_point, cause).inc()
         log.warning("parked as indeterminate after attempt %s: %s", op.attempt, outcome.reason)
         return Pending(subject, outcome.reason)
     retry_in = backoff_seconds(op.attempt, settings.backoff_base_seconds, settings.backoff_cap_seconds)
     await one_statement(services.engine, release, op, outcome.reason, retry_in, not_sent=not_sent)
-    metrics.child(metrics.RELEASES, op.recovery_point, cause).inc()
+    metrics.counter(metrics.RELEASES, op.recovery_point, cause).inc()
     log.info("released: %s; the worker retries in %.1f s", outcome.reason, retry_in)
     return Pending(op.subject, outcome.reason)
 
@@ -202,7 +202,7 @@ async def _release_now(services: Services, op: Operation[Any]) -> None:
     except Exception as exc:
         log.warning("could not release the operation (%s); its lease will simply expire", describe(exc))
     else:
-        metrics.child(metrics.RELEASES, op.recovery_point, "stopping").inc()
+        metrics.counter(metrics.RELEASES, op.recovery_point, "stopping").inc()
         log.info("stopping: lease given back")
 
 
@@ -232,7 +232,7 @@ def report_finished(op: Operation[Any]) -> None:
     by the one process whose commit finished it.
     """
     bind(op)
-    metrics.child(op.machine.finished, op.subject.status).inc()
+    metrics.counter(op.machine.finished, op.subject.status).inc()
     log.info("%s finished: %s", op.machine.name, op.subject.status)
 
 
@@ -250,7 +250,7 @@ async def take_over(
     op = await atomic(services.engine, take_over_phase, machines, client_id, key, services.settings.lease_seconds)
     if op is not None:
         bind(op)
-        metrics.child(metrics.TAKEOVERS, op.recovery_point).inc()
+        metrics.counter(metrics.TAKEOVERS, op.recovery_point).inc()
         log.info("taken over at %s (attempt %s)", op.recovery_point, op.attempt)
     return op
 
@@ -308,7 +308,7 @@ async def heal(services: Services, machines: Mapping[str, Machine[Any]], client_
     if op is None:
         return None
     bind(op)
-    metrics.child(metrics.UNPARKS, op.recovery_point, "reprobe").inc()
+    metrics.counter(metrics.UNPARKS, op.recovery_point, "reprobe").inc()
     log.info("re-probe of the parked operation at %s answered; resuming", op.recovery_point)
     return await drive(services, op)
 

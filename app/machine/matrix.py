@@ -27,7 +27,7 @@ from app.idempotency.key_table import KeyRow, LeaseLost
 from app.machine.crash import reached
 from app.machine.declare import Machine, Operation
 from app.machine.engine import Finished, Pending, drive, take_over
-from app.observability import logs
+from app.observability import logs, metrics
 from app.problems import IDEMPOTENCY_KEY_REUSED, KEY_TABLE_UNAVAILABLE, REQUEST_IN_PROGRESS, ProblemError
 from app.services import Services
 
@@ -71,7 +71,7 @@ async def submit(
     if row is None:
         op = await _start(services, machine, client_id=client_id, key=key, request_hash=request_hash, **start_args)
         if op is not None:
-            machine.started.inc()
+            metrics.counter(machine.started).inc()
             reached(settings.payments_crash_at, f"after-commit-{op.recovery_point}")
             return Reply(await _drive_for_client(services, op))
         # A concurrent first attempt claimed the key between our read and

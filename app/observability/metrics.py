@@ -7,10 +7,10 @@ it. The API's processes add up to one view in prometheus_client's
 multiprocess mode, which reads PROMETHEUS_MULTIPROC_DIR when first imported,
 so the parent of `payments api` prepares it before anything imports this
 module, and serves /metrics from the files on a port of its own
-(app/observability/multiproc.py). What every request records is
-added up here and written once a second (`flush`). docs/operations.md lists
-every metric and explains the bounded labels, the multiprocess files and
-the batching.
+(app/observability/multiproc.py). Everything the hot path counts or times
+(a request, a payment's start and end, a rail call) is added up here and
+written once a second (`flush`). docs/operations.md lists every metric and
+explains the bounded labels, the multiprocess files and the batching.
 """
 
 from __future__ import annotations
@@ -220,30 +220,42 @@ def flush() -> None:
         _dirty.pop().write()
 
 
-# The children used on every request or payment, resolved once; those of
-# every request, batched.
-REPLAYED_BY_SHORTCUT = BatchedCounter(REPLAYS.labels("shortcut"))
-REPLAYED_BY_ROUTE = BatchedCounter(REPLAYS.labels("route"))
+_counters: dict[tuple[Counter, tuple[str, ...]], BatchedCounter] = {}
+_histograms: dict[tuple[Histogram, tuple[str, ...]], Batched] = {}
+
+
+def counter(metric: Counter, *labels: str) -> BatchedCounter:
+    """`metric.labels(*labels)`, batched: resolved once per label set, written at the next `flush`.
+
+    For the event loop's thread (the API's requests, the worker's sweeps),
+    like `Batched`; the worker's own metrics below are written directly.
+    """
+    found = _counters.get((metric, labels))
+    if found is None:
+        found = _counters[(metric, labels)] = BatchedCounter(metric.labels(*labels) if labels else metric)
+    return found
+
+
+def histogram(metric: Histogram, *labels: str) -> Batched:
+    """`metric.labels(*labels)`, batched, as `counter`."""
+    found = _histograms.get((metric, labels))
+    if found is None:
+        found = _histograms[(metric, labels)] = Batched(metric.labels(*labels))
+    return found
+
+
+# The children of every replay, resolved at import.
+REPLAYED_BY_SHORTCUT = counter(REPLAYS, "shortcut")
+REPLAYED_BY_ROUTE = counter(REPLAYS, "route")
 
 _requests: dict[tuple[str, str, int], Batched] = {}
 
 
 def request_timer(route: str, method: str, status: int) -> Batched:
-    """The batched HTTP_REQUESTS child for a route template, method and status."""
+    """The batched HTTP_REQUESTS child for a route template, method and status (the status as the server gives it)."""
     found = _requests.get((route, method, status))
     if found is None:
-        found = _requests[(route, method, status)] = Batched(HTTP_REQUESTS.labels(route, method, str(status)))
-    return found
-
-
-_children: dict[tuple[object, tuple[str, ...]], object] = {}
-
-
-def child(metric, *labels: str):
-    """`metric.labels(*labels)`, resolved once per label set (no lock, no tuple of strings rebuilt)."""
-    found = _children.get((metric, labels))
-    if found is None:
-        found = _children[(metric, labels)] = metric.labels(*labels)
+        found = _requests[(route, method, status)] = histogram(HTTP_REQUESTS, route, method, str(status))
     return found
 
 

@@ -199,7 +199,7 @@ class ExternalService:
         """One exchange, in the latency histogram by system, call and outcome class (and a DEBUG line)."""
         seconds = time.perf_counter() - started
         kind = outcome_class(outcome)
-        metrics.child(metrics.EXTERNAL_CALLS, self.name, call, kind).observe(seconds)
+        metrics.histogram(metrics.EXTERNAL_CALLS, self.name, call, kind).observe(seconds)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s %s: %s in %.1f ms", self.name, call, kind, seconds * 1000)
 
@@ -280,7 +280,7 @@ class PSP(ExternalService):
             outcome = "applied"
             return report
         finally:
-            metrics.child(metrics.EXTERNAL_CALLS, self.name, "statement", outcome).observe(
+            metrics.histogram(metrics.EXTERNAL_CALLS, self.name, "statement", outcome).observe(
                 time.perf_counter() - started
             )
 
@@ -348,8 +348,8 @@ class Rail(ExternalService):
         """The rail's statement of transfers booked on `day` (`final` once the day is closed)."""
         started = time.perf_counter()
         statement = await self._statement(day)
-        metrics.child(metrics.EXTERNAL_CALLS, self.name, "statement",
-                      "unknown" if isinstance(statement, Unknown) else "applied").observe(time.perf_counter() - started)
+        metrics.histogram(metrics.EXTERNAL_CALLS, self.name, "statement",
+                          "unknown" if isinstance(statement, Unknown) else "applied").observe(time.perf_counter() - started)
         return statement
 
     async def _statement(self, day: date) -> dict[str, Any] | Unknown:

@@ -169,7 +169,7 @@ async def _settle_one(
         return
     settled = "succeeded" if entries else "refunding"
     counts[f"settled_{settled}"] += 1
-    metrics.child(metrics.UNPARKS, EXT2_SENT, "reconciliation").inc()
+    metrics.counter(metrics.UNPARKS, EXT2_SENT, "reconciliation").inc()
     metrics.worker().reconciliation_settled.labels(settled).inc()
     log.info("settled from the rail's statement: %s", settled)
     if op.recovery_point == FINISHED:

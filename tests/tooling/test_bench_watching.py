@@ -121,3 +121,22 @@ def test_new_payments_watching_is_judged_at_once_over_the_pairs_and_by_the_round
     assert judged["value"] == 0.93 and judged["met"] is False
     assert block["ratio"]["watching"] == 1.25 and block["ratio"]["watching_new_side_by_side_cpu"] == 1.08
     print_watching(block)  # the table's rows for each pair and the judged figure
+
+
+def test_watching_only_judges_both_targets_by_the_pairs_and_fails_on_any_check_of_the_step():
+    from bench.run import watching_verdict
+
+    side = {"judged": {"rate_ratio": 0.97}, "new_payments": {"judged": {"rate_ratio": 0.94}},
+            "exactly_once": {"pass": True, "checks": []}}
+    verdict = watching_verdict({"watching_side_by_side": {"1": side, "2": side | {"judged": {"rate_ratio": None}}}})
+    assert [[(t["target"].split(":")[0], t["value"], t["met"]) for t in block["targets"]]
+            for block in verdict["blocks"]] == [
+        [("new payments/s", 0.94, False), ("replays/s", 0.97, True)],
+        [("new payments/s", 0.94, False), ("replays/s", None, None)],
+    ]
+    assert verdict["exactly_once_pass"] is True
+    # A warm-up payment paid twice fails the run, even though no target did.
+    failed = side | {"exactly_once": {"pass": False, "checks": [{"check": "paid once", "ok": False, "detail": "x"}]}}
+    assert watching_verdict({"watching_side_by_side": {"1": failed}})["exactly_once_pass"] is False
+    # A run that measured nothing passes nothing.
+    assert watching_verdict({"watching_side_by_side": {}})["exactly_once_pass"] is False

@@ -1,8 +1,8 @@
 """The hot path's batched metrics scrape exactly as the same observations made one by one.
 
-app/observability/metrics.py adds up each request's timing and each
-replay's count in the process, and writes them to prometheus_client once a
-second. These tests pin what that must never change: the scraped buckets,
+app/observability/metrics.py adds up each request's timing, each replay's
+count and the payment path's counts and timings (`counter`, `histogram`)
+in the process, and writes them to prometheus_client once a second. These tests pin what that must never change: the scraped buckets,
 count and sum of n batched observations are those of n `observe` calls (a
 wrong bucket for a value on a bound, a lost sum, or a prometheus_client
 release that keeps its values elsewhere would each fail here), nothing is
@@ -69,3 +69,33 @@ def test_inside_a_loop_nothing_is_written_until_the_flush_the_loop_was_given():
     # Written once: a second flush adds nothing.
     metrics.flush()
     assert generate_latest(batched) == generate_latest(direct)
+
+
+def test_the_payment_paths_counts_are_batched_once_per_label_set():
+    # The engine's counts and the rail calls' timings go through these: a
+    # new payment's start and end and its two calls would otherwise each be
+    # a locked write to the shared files, on the request's path.
+    registry = CollectorRegistry()
+    finished = Counter("t_finished", "a test metric", ["status"], registry=registry)
+    started = Counter("t_started", "a test metric", registry=registry)
+    calls = Histogram("t_call_seconds", "a test metric", ["system"], buckets=BUCKETS, registry=registry)
+    assert metrics.counter(finished, "succeeded") is metrics.counter(finished, "succeeded")
+    assert metrics.counter(finished, "failed") is not metrics.counter(finished, "succeeded")
+    assert metrics.histogram(calls, "psp") is metrics.histogram(calls, "psp")
+
+    async def a_payment() -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_later = lambda delay, callback: None  # type: ignore[method-assign]  (the flush is ours to call)
+        metrics.counter(started).inc()
+        metrics.histogram(calls, "psp").observe(0.02)
+        metrics.counter(finished, "succeeded").inc()
+
+    asyncio.run(a_payment())
+    assert registry.get_sample_value("t_started_total") == 0
+    assert registry.get_sample_value("t_finished_total", {"status": "succeeded"}) == 0
+    assert registry.get_sample_value("t_call_seconds_count", {"system": "psp"}) == 0
+    metrics.flush()
+    assert registry.get_sample_value("t_started_total") == 1
+    assert registry.get_sample_value("t_finished_total", {"status": "succeeded"}) == 1
+    assert registry.get_sample_value("t_call_seconds_count", {"system": "psp"}) == 1
+    assert registry.get_sample_value("t_call_seconds_bucket", {"system": "psp", "le": "0.1"}) == 1
