@@ -85,7 +85,8 @@ exactly-once
 How it runs (most of the time is the measured runs: with three rounds, the earlier default, it took
 20-25 minutes on a 2-CPU machine; now five; `--rate-only` runs the rounds of phased and naive alone, and
 both at once,
-`--outbox-only` the side-by-side rounds with and without webhooks alone, with a warm-up of their own):
+`--outbox-only` the side-by-side rounds with and without webhooks alone, with a warm-up of their own,
+`--watching-only` the watching step alone, the run's own pair given payments to replay by a warm-up):
 
     create payments_bench and payments_bench_rails; start the fake PSP and rail
     for each worker count (1, then 2):
