@@ -63,8 +63,21 @@ def test_each_worker_is_credited_with_the_answers_on_the_connections_it_holds_an
 
 def test_the_load_counts_each_answer_by_the_clients_port_the_server_saw_it_come_from():
     served: Counter[int] = Counter()
+    # The first request is held until a second is in flight beside it, so
+    # that the clients cannot all take turns on one connection (a quick
+    # server and a busy machine once let them): two ports are always seen.
+    in_flight = 0
+    two_at_once = asyncio.Event()
 
     async def handler(request: web.Request) -> web.Response:
+        nonlocal in_flight
+        in_flight += 1
+        if in_flight >= 2:
+            two_at_once.set()
+        try:
+            await asyncio.wait_for(two_at_once.wait(), 5.0)
+        finally:
+            in_flight -= 1
         served[request.transport.get_extra_info("peername")[1]] += 1
         return web.json_response({}, status=201)
 
