@@ -54,12 +54,12 @@ async def test_a_person_sees_the_takeover_the_balanced_ledger_and_the_rails_reco
         chrome.find_element(By.ID, "login").click()
 
         # A click that submits a form or follows a link returns before the
-        # next page is there: wait for that page (an element of the old one
-        # read meanwhile goes stale), as a person waits for it to load.
-        page_shows(chrome, By.TAG_NAME, "h1", "Recent operations")
+        # next page is there: wait for that page, as a person waits for it
+        # to load.
+        page_shows(chrome, "h1", "Recent operations")
         chrome.find_element(By.LINK_TEXT, key).click()
 
-        page_shows(chrome, By.ID, "key", key)
+        page_shows(chrome, "#key", key)
         assert chrome.find_element(By.ID, "attempts").text == "2"
         drawn = [t.text for t in chrome.find_elements(By.CSS_SELECTOR, "svg#timeline text")]
         assert "taken over" in drawn
@@ -73,12 +73,20 @@ async def test_a_person_sees_the_takeover_the_balanced_ledger_and_the_rails_reco
         assert payment["rail_transfer_id"] in transfer and "accepted" in transfer and "the same record" in transfer
 
 
-def page_shows(chrome, by: str, value: str, text: str, timeout: float = 15.0) -> None:
-    """Wait until the element (`by`, `value`) of the page being loaded says `text`."""
-    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+def page_shows(chrome, selector: str, text: str, timeout: float = 15.0) -> None:
+    """Wait until the element at CSS `selector` of the page being loaded says `text`.
+
+    The page reads its own text in one script, so no element handle is kept
+    from one call to the next: a handle found on the old page and read after
+    the new one replaced it is stale, and Chromium's driver does not always
+    say so as a stale element (sometimes it answers "Node with given id does
+    not belong to the document", an unknown error).
+    """
+    from selenium.common.exceptions import JavascriptException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    WebDriverWait(chrome, timeout, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)).until(
-        lambda driver: driver.find_element(by, value).text == text,
-        f"the page to show {text!r} in {value}",
+    read = "const e = document.querySelector(arguments[0]); return e === null ? null : e.innerText.trim();"
+    WebDriverWait(chrome, timeout, ignored_exceptions=(JavascriptException,)).until(
+        lambda driver: driver.execute_script(read, selector) == text,
+        f"the page to show {text!r} in {selector}",
     )
