@@ -8,12 +8,13 @@ docs/batches.md walks through a batch from upload to `batch.completed`.
 
 from __future__ import annotations
 
-import uuid
+import json
 
 from fastapi import APIRouter, Query, Request, Response
 
 from app.api.deps import ClientId, PaymentCallerDep, ServicesDep
-from app.api.routes import _problem_doc, final_response
+from app.api.errors import problem_doc
+from app.api.routes import final_response, id_in_path
 from app.machine.engine import Finished
 from app.payments.batches import submission
 from app.payments.batches.rows import CSV_COLUMNS, MAX_BATCH_BYTES, MAX_ROWS
@@ -47,11 +48,11 @@ BATCH_MAX_BODY_BYTES = MAX_BATCH_BYTES
     }}},
     responses={
         202: {"description": "Accepted: the rows are queued for payment. Poll `Location`."},
-        400: _problem_doc("idempotency-key-missing", "idempotency-key-invalid", "invalid-request", "invalid-batch"),
-        401: _problem_doc("unauthenticated"),
-        413: _problem_doc("payload-too-large"),
-        422: _problem_doc("idempotency-key-reused"),
-        503: _problem_doc("service-unavailable", "key-table-unavailable"),
+        400: problem_doc("idempotency-key-missing", "idempotency-key-invalid", "invalid-request", "invalid-batch"),
+        401: problem_doc("unauthenticated"),
+        413: problem_doc("payload-too-large"),
+        422: problem_doc("idempotency-key-reused"),
+        503: problem_doc("service-unavailable", "key-table-unavailable"),
     },
 )
 async def create_batch(
@@ -74,8 +75,6 @@ async def create_batch(
 
 
 def _id_of(body: str) -> str | None:
-    import json
-
     try:
         return json.loads(body).get("id")
     except ValueError:
@@ -86,16 +85,10 @@ def _id_of(body: str) -> str | None:
     PATH + "/{batch_id}",
     summary="A batch's rows counted by state, and its failed rows",
     tags=["payment batches"],
-    responses={401: _problem_doc("unauthenticated"), 404: _problem_doc("not-found")},
+    responses={401: problem_doc("unauthenticated"), 404: problem_doc("not-found")},
 )
 async def get_batch(services: ServicesDep, client_id: ClientId, batch_id: str) -> Response:
-    try:
-        bid = uuid.UUID(batch_id)
-    except ValueError:
-        bid = None
-    found = bid and await submission.find_batch(services, client_id, bid)
+    found = await submission.find_batch(services, client_id, id_in_path(batch_id, "batch"))
     if not found:
         raise ProblemError(NOT_FOUND, "no such batch")
-    import json
-
     return Response(json.dumps(found.view()), media_type="application/json")

@@ -7,7 +7,8 @@ app/db/errors.py decides), a client gone before its body arrived (one INFO
 line, a 499 nobody receives), and anything else as a bug's generic 500. The
 middlewares outside them answer for themselves, with `problem_response` and
 `unavailable_response`. docs/reference/http-edge.md#errors-problemjson-and-where-each-is-caught
-explains which handler sees which exception.
+explains which handler sees which exception. The routes describe the
+problems they may answer with in the OpenAPI document by `problem_doc`.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from starlette.requests import ClientDisconnect
 from app.db.errors import database_unavailable, describe, loggable, row_moved
 from app.observability import metrics
 from app.problems import (
-    INTERNAL_ERROR, INVALID_REQUEST, KEY_TABLE_UNAVAILABLE, METHOD_NOT_ALLOWED, NOT_FOUND, SERVICE_UNAVAILABLE,
-    ProblemError, ProblemType, problem_body,
+    CATALOGUE, INTERNAL_ERROR, INVALID_REQUEST, KEY_TABLE_UNAVAILABLE, METHOD_NOT_ALLOWED, NOT_FOUND,
+    SERVICE_UNAVAILABLE, ProblemError, ProblemType, problem_body,
 )
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,21 @@ PROBLEM_JSON = "application/problem+json"
 # them all would make the answer many times bigger than the request. The
 # first few say what is wrong; `errors_omitted` says how many more there were.
 MAX_LISTED_ERRORS = 20
+
+
+def problem_doc(*slugs: str) -> dict[str, Any]:
+    """A route's OpenAPI entry for one status: the problems it may answer with, each as an example body.
+
+    The examples are the catalogue's own words (app/problems.py), so the
+    document a client reads and the body it gets cannot drift apart.
+    """
+    problems = [CATALOGUE[slug] for slug in slugs]
+    return {
+        "content": {PROBLEM_JSON: {"examples": {p.slug: {"value": {
+            "type": p.uri, "title": p.title, "status": p.status, "detail": p.description,
+        }} for p in problems}}},
+        "description": " / ".join(p.title for p in problems),
+    }
 
 
 def problem_response(

@@ -21,7 +21,6 @@ docs/outbox-inbox.md#7-our-inbox-returned-payouts explains each answer.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from fastapi import APIRouter, BackgroundTasks, Request
 from fastapi.responses import JSONResponse
@@ -29,18 +28,12 @@ from pydantic import ValidationError
 from standardwebhooks import Webhook, WebhookVerificationError
 
 from app.api.deps import ServicesDep
+from app.api.errors import problem_doc
 from app.payments import returns
 from app.problems import INVALID_NOTIFICATION, RAIL_UNAUTHENTICATED, RETURN_TOO_EARLY, ProblemError
 from app.rails.answers import ReturnNotification
 
 router = APIRouter()
-
-
-def _problem_doc(*problems) -> dict[str, Any]:
-    return {
-        "content": {"application/problem+json": {}},
-        "description": " / ".join(p.title for p in problems),
-    }
 
 
 @router.post(
@@ -54,9 +47,9 @@ def _problem_doc(*problems) -> dict[str, Any]:
     ),
     responses={
         200: {"description": "Recorded: `outcome` is applied, duplicate, unmatched or unexpected."},
-        400: _problem_doc(INVALID_NOTIFICATION),
-        401: _problem_doc(RAIL_UNAUTHENTICATED),
-        409: _problem_doc(RETURN_TOO_EARLY),
+        400: problem_doc(INVALID_NOTIFICATION.slug),
+        401: problem_doc(RAIL_UNAUTHENTICATED.slug),
+        409: problem_doc(RETURN_TOO_EARLY.slug),
     },
 )
 async def rail_notification(request: Request, services: ServicesDep, background: BackgroundTasks) -> JSONResponse:

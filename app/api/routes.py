@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Response
 
 from app.api.deps import ClientId, PaymentCallerDep, ServicesDep
-from app.api.errors import problem_response
+from app.api.errors import PROBLEM_JSON, problem_doc, problem_response
 from app.api.schemas import EventList, EventView, KeyView, ProblemDoc
 from app.db.errors import describe
 from app.idempotency.keys import InvalidIdempotencyKey, end_to_end_reference, parse_idempotency_key
@@ -29,20 +29,6 @@ from app.problems import CATALOGUE, NOT_FOUND, SERVICE_UNAVAILABLE, ProblemError
 
 log = logging.getLogger(__name__)
 router = APIRouter()
-
-PROBLEM = "application/problem+json"
-
-
-def _problem_doc(*slugs: str) -> dict[str, Any]:
-    return {
-        "content": {PROBLEM: {"examples": {s: {"value": _example(s)} for s in slugs}}},
-        "description": " / ".join(CATALOGUE[s].title for s in slugs),
-    }
-
-
-def _example(slug: str) -> dict[str, Any]:
-    p = CATALOGUE[slug]
-    return {"type": p.uri, "title": p.title, "status": p.status, "detail": p.description}
 
 
 def payment_examples() -> dict[str, dict[str, Any]]:
@@ -93,12 +79,12 @@ def payment_examples() -> dict[str, dict[str, Any]]:
             "description": "Outcome not yet known (an external call timed out). Poll `Location`, or "
             "retry with the same key. Never a failure.",
         },
-        400: _problem_doc("idempotency-key-missing", "idempotency-key-invalid", "invalid-request"),
-        401: _problem_doc("unauthenticated"),
-        409: _problem_doc("request-in-progress", "duplicate-payment"),
-        413: _problem_doc("payload-too-large"),
-        422: _problem_doc("idempotency-key-reused"),
-        503: _problem_doc("service-unavailable", "key-table-unavailable"),
+        400: problem_doc("idempotency-key-missing", "idempotency-key-invalid", "invalid-request"),
+        401: problem_doc("unauthenticated"),
+        409: problem_doc("request-in-progress", "duplicate-payment"),
+        413: problem_doc("payload-too-large"),
+        422: problem_doc("idempotency-key-reused"),
+        503: problem_doc("service-unavailable", "key-table-unavailable"),
     },
 )
 async def create_payment(services: ServicesDep, caller: PaymentCallerDep, body: PaymentRequest) -> Response:
@@ -128,7 +114,7 @@ def final_response(outcome: Finished, *, replayed: bool) -> Response:
     stored refusal (a refund larger than what is left) is a problem document.
     """
     headers = {"Idempotent-Replayed": "true"} if replayed else None
-    media_type = PROBLEM if outcome.status_code >= 400 else "application/json"
+    media_type = PROBLEM_JSON if outcome.status_code >= 400 else "application/json"
     return Response(outcome.body, outcome.status_code, headers=headers, media_type=media_type)
 
 
@@ -137,14 +123,10 @@ def final_response(outcome: Finished, *, replayed: bool) -> Response:
     response_model=PaymentView,
     summary="A payment's current state",
     tags=["payments"],
-    responses={401: _problem_doc("unauthenticated"), 404: _problem_doc("not-found")},
+    responses={401: problem_doc("unauthenticated"), 404: problem_doc("not-found")},
 )
 async def get_payment(services: ServicesDep, client_id: ClientId, payment_id: str) -> PaymentView:
-    try:
-        pid = uuid.UUID(payment_id)
-    except ValueError:
-        pid = None
-    payment = pid and await lookups.find_payment(services, client_id, pid)
+    payment = await lookups.find_payment(services, client_id, id_in_path(payment_id, "payment"))
     if not payment:
         # Another client's payment is "not found" too, never "forbidden".
         raise ProblemError(NOT_FOUND, "no such payment")
@@ -171,11 +153,12 @@ def refund_examples() -> dict[str, dict[str, Any]]:
             for status, (summary, row) in rows.items()}
 
 
-def _payment_id(raw: str) -> uuid.UUID:
+def id_in_path(raw: str, what: str) -> uuid.UUID:
+    """The id a path names; one that is not even a UUID names nothing, so it is "not found" like any other."""
     try:
         return uuid.UUID(raw)
     except ValueError:
-        raise ProblemError(NOT_FOUND, "no such payment") from None
+        raise ProblemError(NOT_FOUND, f"no such {what}") from None
 
 
 @router.post(
@@ -196,21 +179,21 @@ def _payment_id(raw: str) -> uuid.UUID:
         201: {"description": "Final outcome: `status` is succeeded or failed."},
         202: {"model": RefundView, "description": "The PSP has the refund pending. Poll `Location`, or retry "
               "with the same key. Never a failure."},
-        400: _problem_doc("idempotency-key-missing", "idempotency-key-invalid", "invalid-request"),
-        401: _problem_doc("unauthenticated"),
-        404: _problem_doc("not-found"),
-        409: _problem_doc("request-in-progress", "duplicate-refund", "refund-exceeds-payment",
-                          "payment-not-refundable"),
-        413: _problem_doc("payload-too-large"),
-        422: _problem_doc("idempotency-key-reused"),
-        503: _problem_doc("service-unavailable", "key-table-unavailable"),
+        400: problem_doc("idempotency-key-missing", "idempotency-key-invalid", "invalid-request"),
+        401: problem_doc("unauthenticated"),
+        404: problem_doc("not-found"),
+        409: problem_doc("request-in-progress", "duplicate-refund", "refund-exceeds-payment",
+                         "payment-not-refundable"),
+        413: problem_doc("payload-too-large"),
+        422: problem_doc("idempotency-key-reused"),
+        503: problem_doc("service-unavailable", "key-table-unavailable"),
     },
 )
 async def create_refund(
     services: ServicesDep, caller: PaymentCallerDep, payment_id: str, body: RefundRequest
 ) -> Response:
     reply = await refunds.submit_refund(
-        services, caller.client_id, caller.key, _payment_id(payment_id), body, row=caller.row
+        services, caller.client_id, caller.key, id_in_path(payment_id, "payment"), body, row=caller.row
     )
     outcome = reply.outcome
     if isinstance(outcome, Finished):
@@ -229,8 +212,8 @@ async def create_refund(
     response_model=RefundList,
     summary="A payment's refunds, oldest first, and what is still refundable",
     tags=["refunds"],
-    responses={400: _problem_doc("invalid-request"), 401: _problem_doc("unauthenticated"),
-               404: _problem_doc("not-found")},
+    responses={400: problem_doc("invalid-request"), 401: problem_doc("unauthenticated"),
+               404: problem_doc("not-found")},
 )
 async def list_refunds(
     services: ServicesDep,
@@ -239,7 +222,7 @@ async def list_refunds(
     after: uuid.UUID | None = Query(None, description="Only refunds after this refund id."),
     limit: int = Query(20, ge=1, le=refunds.MAX_PAGE),
 ) -> RefundList:
-    payment, found = await refunds.refunds_of(services, client_id, _payment_id(payment_id), after, limit + 1)
+    payment, found = await refunds.refunds_of(services, client_id, id_in_path(payment_id, "payment"), after, limit + 1)
     page = found[:limit]
     return RefundList(
         data=[RefundView.of(r) for r in page], has_more=len(found) > limit,
@@ -252,14 +235,10 @@ async def list_refunds(
     response_model=RefundView,
     summary="A refund's current state",
     tags=["refunds"],
-    responses={401: _problem_doc("unauthenticated"), 404: _problem_doc("not-found")},
+    responses={401: problem_doc("unauthenticated"), 404: problem_doc("not-found")},
 )
 async def get_refund(services: ServicesDep, client_id: ClientId, refund_id: str) -> RefundView:
-    try:
-        rid = uuid.UUID(refund_id)
-    except ValueError:
-        rid = None
-    refund = rid and await refunds.find_refund(services, client_id, rid)
+    refund = await refunds.find_refund(services, client_id, id_in_path(refund_id, "refund"))
     if not refund:
         raise ProblemError(NOT_FOUND, "no such refund")
     return RefundView.of(refund)
@@ -270,7 +249,7 @@ async def get_refund(services: ServicesDep, client_id: ClientId, refund_id: str)
     response_model=KeyView,
     summary="An operation's state machine row and timeline",
     tags=["idempotency keys"],
-    responses={401: _problem_doc("unauthenticated"), 404: _problem_doc("not-found")},
+    responses={401: problem_doc("unauthenticated"), 404: problem_doc("not-found")},
 )
 async def get_idempotency_key(services: ServicesDep, client_id: ClientId, key: str) -> KeyView:
     try:
@@ -294,7 +273,7 @@ async def get_idempotency_key(services: ServicesDep, client_id: ClientId, key: s
         "`after` = the last id you have. Events of the last second are not listed yet, so that an "
         "event still committing can never fall behind your cursor (docs/outbox-inbox.md)."
     ),
-    responses={400: _problem_doc("invalid-request"), 401: _problem_doc("unauthenticated")},
+    responses={400: problem_doc("invalid-request"), 401: problem_doc("unauthenticated")},
 )
 async def list_events(
     services: ServicesDep,
@@ -329,7 +308,7 @@ HEALTH_TIMEOUT_SECONDS = 2.0
     "/healthz",
     summary="Liveness and database reachability",
     tags=["meta"],
-    responses={503: _problem_doc("service-unavailable")},
+    responses={503: problem_doc("service-unavailable")},
 )
 async def healthz(services: ServicesDep) -> Response:
     """200 when the database answers one `SELECT 1`; 503 naming what is down otherwise.

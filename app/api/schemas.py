@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -71,10 +71,6 @@ class ProblemDoc(BaseModel):
     title: str
     status: int
     description: str
-
-
-def problem_example(slug: str, status: int, title: str, detail: str, **extra: Any) -> dict[str, Any]:
-    return {"type": f"/problems/{slug}", "title": title, "status": status, "detail": detail, **extra}
 
 
 class EventView(BaseModel):

@@ -236,6 +236,21 @@ async def test_another_clients_payment_and_key_are_404_never_403(http, stack, db
     assert (await http.get(f"{stack.api}/v1/payments/not-a-uuid", headers=acme.auth)).status_code == 404
 
 
+@pytest.mark.parametrize("path, what", [
+    ("/v1/payments/not-a-uuid", "payment"),
+    ("/v1/payments/not-a-uuid/refunds", "payment"),
+    ("/v1/refunds/not-a-uuid", "refund"),
+    ("/v1/payment-batches/not-a-uuid", "batch"),
+])
+async def test_an_id_in_the_path_that_is_not_a_uuid_is_not_found(http, stack, acme, path, what):
+    # Not a 400 or a 422: no id of ours looks like that, so it names nothing.
+    response = await http.get(stack.api + path, headers=acme.auth)
+    assert response.status_code == 404
+    assert response.headers["content-type"] == "application/problem+json"
+    assert response.json()["type"] == "/problems/not-found"
+    assert response.json()["detail"] == f"no such {what}"
+
+
 async def test_two_clients_may_use_the_same_key_for_their_own_payments(http, stack, db, acme, globex):
     key = "order-42-attempt"
     mine = await post(http, stack, acme, key, payment_body())
