@@ -80,8 +80,9 @@ def free_port() -> int:
     between the moment it is found free here and the moment the child this
     port is for binds it; the child then cannot start ("Address already in
     use"). Below the range only a listener can take it. Each process walks a
-    block of its own there (a pytest-xdist worker's by its number), so two
-    test workers never hand out the same port either.
+    block of its own there (a pytest-xdist worker's by its number, or the one
+    PORT_BLOCK names), so two test workers never hand out the same port
+    either.
     """
     for port in _candidates():
         if port in _handed_out:
@@ -103,18 +104,29 @@ def free_port() -> int:
 
 
 # The blocks free_port walks: _BLOCK ports each, from _LOWEST up to the
-# first ephemeral port. Block 0 is for processes that are not pytest-xdist
-# workers (the bench, `make run`, a test run without -n); each of those
-# starts at a place of its own in it, by its process id.
+# first ephemeral port. A pytest-xdist worker walks the block after its
+# number (gw0: block 1). A process may be given a block by PORT_BLOCK:
+# `make mutants` gives each of its pytest sessions at once one from the top,
+# since sessions without -n would otherwise share block 0. Block 0 is for
+# every other process (the bench, `make run`, a test run without -n); each
+# of those starts at a place of its own in it, by its process id.
 _LOWEST, _BLOCK = 10000, 1000
+
+
+def port_blocks() -> int:
+    """How many blocks of ports there are below this machine's ephemeral range."""
+    return max(0, (_first_ephemeral_port() - _LOWEST) // _BLOCK)
 
 
 def _candidates() -> list[int]:
     """This process's block below the ephemeral range, from its own starting place round to it; [] if no room."""
-    blocks = (_first_ephemeral_port() - _LOWEST) // _BLOCK
+    given = os.environ.get("PORT_BLOCK", "")
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    number = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
-    if number >= blocks:
+    if given.isdigit():
+        number = int(given)
+    else:
+        number = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
+    if number >= port_blocks():
         return []
     start = _LOWEST + number * _BLOCK
     offset = 0 if number else os.getpid() % _BLOCK

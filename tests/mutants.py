@@ -10,7 +10,10 @@ source text replaced by another, that breaks one rule of docs/crash-matrix.md
 ("Break it yourself"). For each one, this script copies the tree (every file
 git knows, committed or not, ignored ones left out) into a temporary
 directory, applies the mutant there, and runs the few tests chosen to catch
-it, in that copy. The working tree is never touched.
+it, in that copy. The working tree is never touched. Two copies' tests run
+at a time (`--jobs`), each in a pytest session, a database and processes of
+its own: most of a mutant's time is spent waiting on the processes its
+tests start, so two at once take not much longer than one.
 
 The copy is put first on PYTHONPATH, so the test process and every process
 it spawns (`payments`, `fake-psp`, `fake-rail`, which are the virtualenv's
@@ -24,7 +27,9 @@ when they pass; anything else (a test id that no longer exists, a collection
 error, a timeout) is an ERROR, not a kill. A mutant may also name tests that
 must still pass (`still_pass`): they prove the mutant is well-formed and that
 the kill comes from behaviour. Before the mutants, the tests are run once on the
-unmutated copy (the baseline): a kill means nothing if they fail anyway.
+unmutated copy (the baseline), split into as many sessions at once as the
+mutants will run, so that they pass under the same load: a kill means
+nothing if they fail anyway.
 
 The exit status is non-zero if any mutant survives, errs, or no longer finds
 its source text exactly as many times as it expects: the list cannot rot
@@ -32,25 +37,35 @@ silently when the code it mutates changes.
 
 With DATABASE_URL set, the tests use that server (each run makes its own
 database); without it, the embedded PostgreSQL is started once here (the
-same one as `make test`) and every run uses it.
+same one as `make test`) and every run uses it. A server with too few
+connections for two sessions at once (PostgreSQL's default of 100 has room
+for one, as in `make test`) gets one at a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from devtools import processes
+
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_SECONDS = 600
+JOBS = 2  # pytest sessions at once, each a copy of its own (--jobs)
 
 
 @dataclass(frozen=True)
@@ -526,7 +541,16 @@ class Run:
     summary: str
 
 
+# The pytest sessions running now, each the leader of its process group:
+# what an interrupted run stops before it exits (stop_sessions), after which
+# no new one starts.
+_sessions: set[subprocess.Popen] = set()
+_stopping = threading.Event()
+
+
 def pytest(tests: tuple[str, ...], tree: Path, env: dict[str, str], log: Path, timeout: float) -> Run:
+    if _stopping.is_set():
+        raise KeyboardInterrupt
     started = time.monotonic()
     with log.open("w") as out:
         # A session of its own, so that on a timeout the whole group (pytest and
@@ -535,12 +559,15 @@ def pytest(tests: tuple[str, ...], tree: Path, env: dict[str, str], log: Path, t
             [sys.executable, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider"],
             cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
+        _sessions.add(process)
         try:
             code: int | None = process.wait(timeout)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             code = None
+        finally:
+            _sessions.discard(process)
     # pytest -q sums up in a line such as "2 failed, 3 passed in 12.34s"
     totals = [
         line.strip("= ").split(" in ")[0]
@@ -549,6 +576,27 @@ def pytest(tests: tuple[str, ...], tree: Path, env: dict[str, str], log: Path, t
     ]
     summary = totals[-1] if totals else "no summary"
     return Run(code, time.monotonic() - started, log, summary)
+
+
+@contextmanager
+def stopped_on_interrupt() -> Iterator[None]:
+    """On Ctrl-C, stop the sessions running now (the pool, left next, would wait for them to end by themselves)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        stop_sessions()
+        raise
+
+
+def stop_sessions() -> None:
+    """Kill every pytest session still running, with the processes it started (Ctrl-C: in their own groups,
+    they would not see it)."""
+    _stopping.set()
+    for process in list(_sessions):
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def short(test: str) -> str:
@@ -574,6 +622,73 @@ def database_url() -> tuple[str, object | None]:
     return server.url(), server if started else None
 
 
+def jobs_for(requested: int) -> int:
+    """`requested` sessions at once, or as many as the tests' server has connections for (at least one)."""
+    import asyncio
+
+    from tests.conftest import CONNECTIONS_PER_WORKER, connection_room
+
+    return max(1, min(requested, asyncio.run(connection_room()) // CONNECTIONS_PER_WORKER))
+
+
+Result = tuple[Mutant, str, float, str]  # the mutant, its outcome, its seconds, what to show if not killed
+
+
+class Lanes:
+    """One lane per session at once, each with a block of ports of its own (devtools/processes.py::free_port).
+
+    A session without -n walks block 0 of the ports from a place set by its
+    process id, and two started one after the other are given neighbouring
+    ids: each could hand out a port the other has handed out and not bound
+    yet. So each lane's sessions get a block from the top, PORT_BLOCK.
+    """
+
+    def __init__(self, jobs: int) -> None:
+        self.free: queue.Queue[dict[str, str]] = queue.Queue()
+        blocks = processes.port_blocks()
+        for lane in range(jobs):
+            self.free.put({"PORT_BLOCK": str(blocks - 1 - lane)} if blocks - 1 - lane > 0 else {})
+
+    @contextmanager
+    def lane(self) -> Iterator[dict[str, str]]:
+        env = self.free.get()
+        try:
+            yield env
+        finally:
+            self.free.put(env)
+
+
+def try_mutant(m: Mutant, pristine: Path, work: Path, env_for, timeout: float, lanes: Lanes) -> Result:
+    """Copy the pristine tree, apply `m` there, and run its tests: killed, SURVIVED, MALFORMED or ERROR."""
+    tree = work / m.name
+    shutil.copytree(pristine, tree, symlinks=True)
+    apply(m, tree)
+    with lanes.lane() as lane:
+        return _run_mutant(m, tree, work, env_for(tree) | lane, timeout)
+
+
+def _run_mutant(m: Mutant, tree: Path, work: Path, env: dict[str, str], timeout: float) -> Result:
+    invisible = check_visible(m, tree, env)
+    if invisible:
+        return m, f"ERROR (not visible: {invisible})", 0.0, ""
+    started = time.monotonic()
+    if m.still_pass:
+        guard = pytest(m.still_pass, tree, env, work / f"{m.name}.still_pass.log", timeout)
+        if guard.code != 0:
+            return m, "MALFORMED (a test that must still pass failed)", time.monotonic() - started, tail(guard.log)
+    run = pytest(m.tests, tree, env, work / f"{m.name}.log", timeout)
+    detail = ""
+    if run.code == 1:
+        outcome = f"killed ({run.summary})"
+    elif run.code == 0:
+        outcome, detail = "SURVIVED", tail(run.log, 5)
+    elif run.code is None:
+        outcome, detail = f"ERROR (timed out after {timeout:.0f} s)", tail(run.log)
+    else:
+        outcome, detail = f"ERROR (pytest exit code {run.code})", tail(run.log)
+    return m, outcome, time.monotonic() - started, detail
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="run only these mutants")
@@ -581,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip the run on the unmutated copy")
     parser.add_argument("--keep", action="store_true", help="keep the copies and logs")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_SECONDS, help="seconds per pytest run")
+    parser.add_argument("--jobs", type=int, default=JOBS, help="pytest sessions at once (fewer if the server "
+                        "has too few connections)")
     args = parser.parse_args(argv)
 
     unknown = set(args.names) - {m.name for m in MUTANTS}
@@ -604,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
 
     url, embedded = database_url()
     work = Path(tempfile.mkdtemp(prefix="mutants-"))
-    results: list[tuple[Mutant, str, float, str]] = []
+    results: list[Result] = []
     try:
         pristine = work / "pristine"
         copy_tree(pristine)
@@ -612,47 +729,38 @@ def main(argv: list[str] | None = None) -> int:
         def env_for(tree: Path) -> dict[str, str]:
             return {**os.environ, "PYTHONPATH": str(tree), "DATABASE_URL": url}
 
+        jobs = jobs_for(args.jobs)
+        lanes = Lanes(jobs)
         if not args.no_baseline:
             tests = tuple(dict.fromkeys(t for m in mutants for t in (*m.still_pass, *m.tests)))
-            print(f"baseline: {len(tests)} test ids on the unmutated copy ...", flush=True)
-            run = pytest(tests, pristine, env_for(pristine), work / "baseline.log", args.timeout)
-            print(f"baseline: {'passed' if run.code == 0 else 'FAILED'} in {run.seconds:.0f} s", flush=True)
-            if run.code != 0:
-                print(tail(run.log), file=sys.stderr)
+            print(f"baseline: {len(tests)} test ids on the unmutated copy, in {jobs} session(s) at once ...",
+                  flush=True)
+            started = time.monotonic()
+            def baseline(part: int) -> Run:
+                with lanes.lane() as lane:
+                    return pytest(tests[part::jobs], pristine, env_for(pristine) | lane, work / f"baseline.{part}.log",
+                                  args.timeout)
+
+            with ThreadPoolExecutor(jobs) as pool, stopped_on_interrupt():
+                runs = list(pool.map(baseline, range(jobs)))
+            failed = [run for run in runs if run.code != 0]
+            print(f"baseline: {'FAILED' if failed else 'passed'} in {time.monotonic() - started:.0f} s", flush=True)
+            if failed:
+                print(tail(failed[0].log), file=sys.stderr)
                 print("the tests fail without any mutant: a kill would mean nothing; fix them first", file=sys.stderr)
                 return 1
 
-        for m in mutants:
-            if stale[m.name]:
-                results.append((m, "STALE (source text not found)", 0.0, ""))
-                continue
-            tree = work / m.name
-            shutil.copytree(pristine, tree, symlinks=True)
-            apply(m, tree)
-            env = env_for(tree)
-            invisible = check_visible(m, tree, env)
-            if invisible:
-                results.append((m, f"ERROR (not visible: {invisible})", 0.0, ""))
-                continue
-            started = time.monotonic()
-            detail = ""
-            if m.still_pass:
-                guard = pytest(m.still_pass, tree, env, work / f"{m.name}.still_pass.log", args.timeout)
-                if guard.code != 0:
-                    results.append((m, "MALFORMED (a test that must still pass failed)", time.monotonic() - started,
-                                    tail(guard.log)))
-                    continue
-            run = pytest(m.tests, tree, env, work / f"{m.name}.log", args.timeout)
-            if run.code == 1:
-                outcome = f"killed ({run.summary})"
-            elif run.code == 0:
-                outcome, detail = "SURVIVED", tail(run.log, 5)
-            elif run.code is None:
-                outcome, detail = f"ERROR (timed out after {args.timeout:.0f} s)", tail(run.log)
-            else:
-                outcome, detail = f"ERROR (pytest exit code {run.code})", tail(run.log)
-            results.append((m, outcome, time.monotonic() - started, detail))
-            print(f"{m.name}: {outcome} in {time.monotonic() - started:.0f} s", flush=True)
+        by_name: dict[str, Result] = {
+            m.name: (m, "STALE (source text not found)", 0.0, "") for m in mutants if stale[m.name]
+        }
+        with ThreadPoolExecutor(jobs) as pool, stopped_on_interrupt():
+            running = [pool.submit(try_mutant, m, pristine, work, env_for, args.timeout, lanes)
+                       for m in mutants if not stale[m.name]]
+            for future in as_completed(running):
+                m, outcome, seconds, detail = future.result()
+                by_name[m.name] = (m, outcome, seconds, detail)
+                print(f"{m.name}: {outcome} in {seconds:.0f} s", flush=True)
+        results = [by_name[m.name] for m in mutants]  # the table in the list's order, whatever finished first
     finally:
         if embedded is not None:
             from devtools import embedded_db
@@ -676,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def table(results: list[tuple[Mutant, str, float, str]]) -> str:
+def table(results: list[Result]) -> str:
     """One row per mutant (name, result, seconds, where it changes the source), then its rule and tests."""
     widths = (max(len(m.name) for m, *_ in results), max(len(outcome) for _, outcome, *_ in results))
     lines = [f"{'mutant':<{widths[0]}}  {'result':<{widths[1]}}  {'seconds':>7}  file:line it changes"]

@@ -144,6 +144,25 @@ def test_free_port_hands_out_ports_below_the_ephemeral_range_each_xdist_worker_i
     assert all(port < first_ephemeral for port in gw0 | gw1)
 
 
+def test_free_port_walks_the_block_port_block_names(monkeypatch):
+    # Bug caught: two pytest sessions without -n at once (`make mutants`'
+    # jobs) walking block 0 from neighbouring process ids, so that one hands
+    # out a port the other has handed out and not bound yet.
+    from devtools import processes
+
+    if processes.port_blocks() < 3:
+        pytest.fail(f"this machine's ephemeral range starts at {processes._first_ephemeral_port()}: no room to test")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    ports = {}
+    for block in (1, 2):
+        monkeypatch.setattr(processes, "_handed_out", set())  # each as a process of its own
+        monkeypatch.setenv("PORT_BLOCK", str(block))
+        ports[block] = {processes.free_port() for _ in range(20)}
+    first, second = (processes._LOWEST + block * processes._BLOCK for block in (1, 2))
+    assert all(first <= port < second for port in ports[1])
+    assert all(second <= port < second + processes._BLOCK for port in ports[2])
+
+
 def test_free_port_skips_a_port_somebody_listens_on(monkeypatch):
     import socket
 
