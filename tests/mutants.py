@@ -733,16 +733,19 @@ def main(argv: list[str] | None = None) -> int:
         lanes = Lanes(jobs)
         if not args.no_baseline:
             tests = tuple(dict.fromkeys(t for m in mutants for t in (*m.still_pass, *m.tests)))
-            print(f"baseline: {len(tests)} test ids on the unmutated copy, in {jobs} session(s) at once ...",
+            # Never more parts than test ids: pytest given none would run the whole suite.
+            parts = min(jobs, len(tests))
+            print(f"baseline: {len(tests)} test ids on the unmutated copy, in {parts} session(s) at once ...",
                   flush=True)
             started = time.monotonic()
+
             def baseline(part: int) -> Run:
                 with lanes.lane() as lane:
-                    return pytest(tests[part::jobs], pristine, env_for(pristine) | lane, work / f"baseline.{part}.log",
-                                  args.timeout)
+                    return pytest(tests[part::parts], pristine, env_for(pristine) | lane,
+                                  work / f"baseline.{part}.log", args.timeout)
 
-            with ThreadPoolExecutor(jobs) as pool, stopped_on_interrupt():
-                runs = list(pool.map(baseline, range(jobs)))
+            with ThreadPoolExecutor(parts) as pool, stopped_on_interrupt():
+                runs = list(pool.map(baseline, range(parts)))
             failed = [run for run in runs if run.code != 0]
             print(f"baseline: {'FAILED' if failed else 'passed'} in {time.monotonic() - started:.0f} s", flush=True)
             if failed:
