@@ -8,6 +8,8 @@ exceptions, each meaning what httpx documents: a refused connection is
 which the call may have been applied), and an answer that is not HTTP is
 `httpx.RemoteProtocolError`, never aiohttp's own exception.
 docs/crash-matrix.md#unknown-outcomes-202-backoff-parking says why it matters.
+An idle connection is given up before the server on the other end would
+close it (KEEP_ALIVE_SECONDS).
 """
 
 from __future__ import annotations
@@ -15,6 +17,15 @@ from __future__ import annotations
 import aiohttp
 import httpx
 from httpx_aiohttp import AiohttpTransport
+
+# A second shorter than the 5 s idle timeout of common servers (uvicorn's,
+# the fakes' among them; nginx's is longer), so a kept-alive connection the
+# PSP or the rail is about to close is never picked for a call. Equal to it
+# (httpx's default, which the adapter hands to aiohttp), a call written just
+# as the server closes is lost unanswered: an Unknown outcome for a charge
+# the PSP never received, and a 202 where a 201 was due. (The webhook
+# dispatcher's own client keeps the same margin: app/outbox/http1.py.)
+KEEP_ALIVE_SECONDS = 4.0
 
 
 class ClassifyingTransport(AiohttpTransport):
@@ -41,5 +52,6 @@ class ClassifyingTransport(AiohttpTransport):
 
 def http_client(*, max_connections: int = 200) -> httpx.AsyncClient:
     """The client the service uses in production (and the unit tests use too)."""
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections // 2)
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections // 2,
+                          keepalive_expiry=KEEP_ALIVE_SECONDS)
     return httpx.AsyncClient(transport=ClassifyingTransport(limits=limits))

@@ -46,10 +46,13 @@ async def park_a_legacy_payout(http, stack, db, acme, fault: dict) -> tuple[str,
     key, body = str(uuid.uuid4()), legacy_body()
     await set_faults(http, stack.rail, {"reference": body["reference"], **fault})
     response = await http.post(f"{stack.api}/v1/payments", json=body, headers=headers(acme, key))
-    assert response.status_code == 202, response.text
-    assert response.json()["status"] == "indeterminate"
     row = await key_row(db, acme.id, key)
-    assert row["parked_at"] is not None and row["recovery_point"] == "EXT2_SENT"
+    # Where the payment stopped and why, should it not be parked at the
+    # payout (a 202 `processing` is a release, e.g. of the charge).
+    stopped = f"{response.text} at {row['recovery_point']}: {row['last_error']}"
+    assert response.status_code == 202, stopped
+    assert response.json()["status"] == "indeterminate", stopped
+    assert row["parked_at"] is not None and row["recovery_point"] == "EXT2_SENT", stopped
     return key, body, response.json()
 
 

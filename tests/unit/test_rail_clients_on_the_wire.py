@@ -17,11 +17,14 @@ app/rails/outcomes.py, by the allow-list in app/rails/gateways.py:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import socket
 from collections.abc import Awaitable, Callable
 
+import aiohttp.connector
 import pytest
+import uvicorn
 
 from app.rails.answers import Charge, Transfer
 from app.rails.gateways import PSP, Rail
@@ -50,8 +53,10 @@ class Server:
     def __init__(self, *answers: Handler) -> None:
         self.answers = list(answers)
         self.requests = 0
+        self.connections = 0
 
     async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -124,6 +129,30 @@ NOT_FOUND = {"type": "https://fake-rails.example/problems/not-found", "title": "
 async def test_a_documented_charge_is_applied_with_its_typed_record(serve, client):
     server = Server(json_answer(201, CHARGE))
     assert await psp(client, await serve(server)).charge("k1", _Payment()) == Applied(Charge(id="ch_1", status="succeeded"))
+
+
+async def test_a_connection_idle_almost_as_long_as_a_common_servers_keep_alive_is_not_used_again(
+    serve, client, monkeypatch
+):
+    """uvicorn (the fakes' server, and many a PSP's) closes a connection idle for its keep-alive, 5 s.
+
+    Bug caught: the client keeping an idle connection as long as the server
+    does (httpx's default, 5 s, as until 2026-12-07), so that a charge is
+    written on a connection just as the server closes it: the charge is lost
+    unanswered, an Unknown outcome for a call the PSP never received.
+    """
+    server = Server(json_answer(201, CHARGE))
+    url = await serve(server)
+    assert await psp(client, url).charge("k1", _Payment()) == Applied(Charge(id="ch_1", status="succeeded"))
+    assert server.connections == 1
+
+    # The pool's clock moves on to half a second before the server's close.
+    servers = inspect.signature(uvicorn.Config.__init__).parameters["timeout_keep_alive"].default
+    now = aiohttp.connector.monotonic
+    monkeypatch.setattr(aiohttp.connector, "monotonic", lambda: now() + servers - 0.5)
+
+    assert await psp(client, url).charge("k1", _Payment()) == Applied(Charge(id="ch_1", status="succeeded"))
+    assert server.connections == 2, "the idle connection was used again"
 
 
 async def test_a_refused_connection_is_not_applied_and_retried_inline(client):
