@@ -28,8 +28,8 @@ error, a timeout) is an ERROR, not a kill. A mutant may also name tests that
 must still pass (`still_pass`): they prove the mutant is well-formed and that
 the kill comes from behaviour. Before the mutants, the tests are run once on the
 unmutated copy (the baseline), split into as many sessions at once as the
-mutants will run, so that they pass under the same load: a kill means
-nothing if they fail anyway.
+mutants will run (fewer only if there are fewer test ids), so that they pass
+under the same load: a kill means nothing if they fail anyway.
 
 The exit status is non-zero if any mutant survives, errs, or no longer finds
 its source text exactly as many times as it expects: the list cannot rot
