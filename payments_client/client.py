@@ -61,6 +61,11 @@ REFUND_FINAL = {"succeeded", "failed"}
 # new request, and the service answers 409 duplicate-payment for an order it
 # already paid: look the payment up by the `payment_id` it names instead.
 RETRY_WINDOW_HOURS = 24
+# An idle connection is given up a second before the service closes it
+# (`payments api` closes a kept-alive connection after 5 s idle, uvicorn's
+# default), so a request is never written on a connection the server is
+# closing: that would cost an attempt, a transport error and a retry.
+KEEP_ALIVE_SECONDS = 4.0
 
 
 @dataclass(frozen=True)
@@ -237,6 +242,8 @@ class PaymentsClient:
         self.backoff_base, self.backoff_cap = backoff_base, backoff_cap
         self.on_event = on_event or (lambda event: None)
         self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=5.0),
+                                 limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
+                                                     keepalive_expiry=KEEP_ALIVE_SECONDS),
                                  headers={"Authorization": f"Bearer {api_key}"})
 
     def close(self) -> None:
