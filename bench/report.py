@@ -641,7 +641,8 @@ def print_targets(results: dict[str, Any]) -> None:
     console.print(table)
 
 
-def print_setup(results: dict[str, Any]) -> None:
+def setup_table(results: dict[str, Any]) -> Table:
+    """The "Machine and parameters" table with its first two rows, the machine and the server (bench/growth too)."""
     m, p = results["machine"], results["parameters"]
     table = Table(title="Machine and parameters", title_justify="left", show_header=False)
     table.add_column("name")
@@ -650,6 +651,12 @@ def print_setup(results: dict[str, Any]) -> None:
     table.add_row("machine", f"{m['nproc']} CPUs ({m['cpu_model']}), {m['memory_gib']} GiB, "
                              f"load {m['load_average_1m_at_start']} at start; everything on this machine")
     table.add_row("PostgreSQL", f"{m['postgresql']} ({p['server']}; {settings})")
+    return table
+
+
+def print_setup(results: dict[str, Any]) -> None:
+    m, p = results["machine"], results["parameters"]
+    table = setup_table(results)
     rounds = (f"{p['rounds']} rounds × (phased, naive), each {p['warmup_s']:g} s warm-up + {p['duration_s']:g} s "
               "(--rate-only)" if p.get("rate_only") else
               f"{p['rounds']} rounds × (phased, unwatched, webhooks, naive), each {p['warmup_s']:g} s warm-up + "

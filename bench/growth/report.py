@@ -18,7 +18,7 @@ from typing import Any
 from rich.table import Table
 
 from bench.load import latency_ms
-from bench.report import fmt
+from bench.report import fmt, setup_table
 from bench.system import console
 
 EMPTY, GROWN = "empty", "preloaded"
@@ -224,14 +224,8 @@ def print_targets(results: dict[str, Any]) -> None:
 
 
 def print_setup(results: dict[str, Any]) -> None:
-    m, p = results["machine"], results["parameters"]
-    table = Table(title="Machine and parameters", title_justify="left", show_header=False)
-    table.add_column("name")
-    table.add_column("value")
-    settings = ", ".join(f"{k}={v}" for k, v in m["postgresql_settings"].items())
-    table.add_row("machine", f"{m['nproc']} CPUs ({m['cpu_model']}), {m['memory_gib']} GiB, "
-                             f"load {m['load_average_1m_at_start']} at start; everything on this machine")
-    table.add_row("PostgreSQL", f"{m['postgresql']} ({p['server']}; {settings})")
+    p = results["parameters"]
+    table = setup_table(results)
     table.add_row("preload", "; ".join(f"{s['rows']:,} rows in {s['seconds']:.0f} s, VACUUM ANALYZE "
                                        f"{s['vacuum_seconds']:.0f} s" for s in results["preloads"]))
     rounds = f"{p['rounds']} round{'s' if p['rounds'] > 1 else ''}"
