@@ -39,7 +39,7 @@ from app.idempotency.keys import derived_key
 from app.payments.recovery_points import STEP_REFUND
 from demos.evidence import Snapshot, relative_times, snapshot
 from demos.story import ledger_table, step, terminal
-from demos.system import BIN, DemoError, System, payment_body
+from demos.system import BIN, DemoError, System, payment_body, run_demo
 
 # The beneficiary bank behind the rail that is legacy (as in tests/conftest.py).
 LEGACY_IBAN = "GB82WEST12345698765432"
@@ -499,38 +499,13 @@ def main(
                                    help="Also show (c): a payout booked twice, and its break."),
 ) -> None:
     """Park two legacy payouts as indeterminate, then settle them against the rail's statement."""
-    system = System()
-    demo: Demo | None = None
-    error: str | None = None
-    try:
-        with console.status("starting PostgreSQL, the payments_demo database, the fake PSP and the legacy rail"):
-            system.start(rail_args=("--legacy-accounts", LEGACY_IBAN, "--cutoff", "24:00"))
-        demo = Demo(system, duplicate)
-        demo.run()
-    except (DemoError, httpx.HTTPError, json.JSONDecodeError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        console.print(Panel(error, title="the demo could not go on", border_style="red"))
-    except KeyboardInterrupt:
-        console.print("\ninterrupted")
-        raise typer.Exit(130) from None
-    finally:
-        with console.status("stopping every process this demo started"):
-            if demo is not None:
-                demo.http.close()
-            system.stop()
-    console.print(f"[dim]process logs: {system.logs}[/]")
-    checks = demo.checks if demo else Checks()
-    failed = [row for row in checks.rows if not row[3]]
-    if error is None and checks.passed:
-        console.print(f"[bold green]PASS[/] reconciliation: {len(checks.rows)} checks; (a) settled succeeded by its "
-                      "statement line, (b) refunded once by K3, a rerun did nothing, "
-                      + ("(c) left as a duplicate_booking break" if duplicate else "no breaks"))
-        return
-    for what, expected, actual, _ in failed:
-        console.print(f"[red]FAIL[/] {what}: expected {expected}, got {actual}")
-    console.print(f"[bold red]FAIL[/] reconciliation: {len(failed)} of {len(checks.rows)} checks failed"
-                  + (f"; {error}" if error else ""))
-    raise typer.Exit(1)
+    run_demo(
+        console, System(), lambda system: Demo(system, duplicate), name="reconciliation",
+        starting="starting PostgreSQL, the payments_demo database, the fake PSP and the legacy rail",
+        passed="(a) settled succeeded by its statement line, (b) refunded once by K3, a rerun did nothing, "
+               + ("(c) left as a duplicate_booking break" if duplicate else "no breaks"),
+        start_args=("--legacy-accounts", LEGACY_IBAN, "--cutoff", "24:00"),
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -38,18 +37,10 @@ from rich.table import Table
 from app.outbox.endpoints import new_secret
 from demos.reconcile import Checks
 from demos.story import step, terminal
-from demos.system import DemoError, System, payment_body, run_demo
+from demos.system import System, payment_body, run_demo, wait_for
 
 console = terminal()
 DAYS_LATER = 3
-
-
-def wait_for(what: str, condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise DemoError(f"timed out waiting for {what}")
-        time.sleep(0.1)  # polling durable state, bounded by the deadline
 
 
 class Demo:

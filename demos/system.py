@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -165,15 +166,26 @@ def session(console: Any, system: System, rail_args: tuple[str, ...] = ()) -> It
         console.print(f"[dim]process logs: {system.logs}[/]")
 
 
+def wait_for(what: str, condition: Callable[[], Any], timeout: float = 30.0) -> None:
+    """Poll `condition` (durable state) until it holds; DemoError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise DemoError(f"timed out waiting for {what}")
+        time.sleep(0.1)  # polling durable state, bounded by the deadline
+
+
 def run_demo(
-    console: Any, system: System, demo_class: Any, *, name: str, starting: str, passed: str,
+    console: Any, system: System, make_demo: Callable[[System], Any], *, name: str, starting: str, passed: str,
     start_args: tuple[str, ...] = (),
 ) -> None:
-    """Start `system`, run `demo_class(system)`, always stop every process, then print PASS or FAIL (exit 1).
+    """Start `system`, run `make_demo(system)`, always stop every process, then print PASS or FAIL (exit 1).
 
-    The frame the webhook and return demos share: whatever happens in the
-    demo (a check failing, a peer not answering, Ctrl-C), nothing it started
-    outlives it, and the verdict comes from its checks alone.
+    The frame the demos with checks share (webhooks, returns, reconciliation,
+    the refund race): whatever happens in the demo (a check failing, a peer
+    not answering, Ctrl-C), nothing it started outlives it, and the verdict
+    comes from its checks alone. `make_demo` builds the demo once the system
+    is up: its class, or anything that calls it with more arguments.
     """
     from rich.panel import Panel
 
@@ -182,7 +194,7 @@ def run_demo(
     try:
         with console.status(starting):
             system.start(rail_args=start_args)
-        demo = demo_class(system)
+        demo = make_demo(system)
         demo.run()
     except (DemoError, httpx.HTTPError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
@@ -199,5 +211,9 @@ def run_demo(
     if error is None and demo is not None and demo.checks.passed:
         console.print(f"[bold green]PASS[/] {name}: {len(demo.checks.rows)} checks; {passed}")
         return
-    console.print(f"[bold red]FAIL[/] {name}" + (f": {error}" if error else ": see the checks above"))
+    failed = [row for row in demo.checks.rows if not row[3]] if demo is not None else []
+    for what, expected, actual, _ in failed:
+        console.print(f"[red]FAIL[/] {what}: expected {expected}, got {actual}")
+    why = error or (f"{len(failed)} check(s) failed" if failed else "no checks were made")
+    console.print(f"[bold red]FAIL[/] {name}: {why}")
     raise typer.Exit(1)

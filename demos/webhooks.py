@@ -22,7 +22,6 @@ Everything runs as real processes (see demos.system). Exit status 0 on PASS, 1 o
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import httpx
@@ -33,7 +32,7 @@ from rich.table import Table
 from app.outbox.endpoints import new_secret
 from demos.reconcile import Checks
 from demos.story import step, terminal
-from demos.system import DemoError, System, payment_body, run_demo
+from demos.system import DemoError, System, payment_body, run_demo, wait_for
 
 console = terminal()
 POINT = "webhook-after-delivery"
@@ -41,14 +40,6 @@ POINT = "webhook-after-delivery"
 LEASE_SECONDS = "3"
 WORKER = {"WORKER_POLL_SECONDS": "0.2", "WEBHOOK_POLL_SECONDS": "0.2", "WEBHOOK_TIMEOUT_SECONDS": "2",
           "WEBHOOK_LEASE_SECONDS": LEASE_SECONDS}
-
-
-def wait_for(what: str, condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise DemoError(f"timed out waiting for {what}")
-        time.sleep(0.1)  # polling durable state, bounded by the deadline
 
 
 class Demo:
