@@ -49,7 +49,7 @@ async def park_a_legacy_payout(http, stack, db, acme, fault: dict) -> tuple[str,
     row = await key_row(db, acme.id, key)
     # Where the payment stopped and why, should it not be parked at the
     # payout (a 202 `processing` is a release, e.g. of the charge).
-    stopped = f"{response.text} at {row['recovery_point']}: {row['last_error']}"
+    stopped = f"{response.text} at {row['recovery_point']}: {row['last_error']}" if row else response.text
     assert response.status_code == 202, stopped
     assert response.json()["status"] == "indeterminate", stopped
     assert row["parked_at"] is not None and row["recovery_point"] == "EXT2_SENT", stopped
