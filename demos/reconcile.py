@@ -24,7 +24,7 @@ import json
 import subprocess
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -39,7 +39,7 @@ from app.idempotency.keys import derived_key
 from app.payments.recovery_points import STEP_REFUND
 from demos.evidence import Snapshot, relative_times, snapshot
 from demos.story import ledger_table, step, terminal
-from demos.system import BIN, DemoError, System, payment_body, run_demo
+from demos.system import BIN, CheckedDemo, DemoError, System, payment_body, run_demo
 
 # The beneficiary bank behind the rail that is legacy (as in tests/conftest.py).
 LEGACY_IBAN = "GB82WEST12345698765432"
@@ -52,28 +52,6 @@ console = terminal()
 
 def short(value: str | None) -> str:
     return "-" if not value else value[:12] + "…"
-
-
-@dataclass
-class Checks:
-    rows: list[tuple[str, str, str, bool]] = field(default_factory=list)
-
-    def check(self, what: str, expected: object, actual: object, ok: bool | None = None) -> bool:
-        ok = expected == actual if ok is None else ok
-        self.rows.append((what, str(expected), str(actual), ok))
-        return ok
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.rows) and all(ok for *_, ok in self.rows)
-
-    def table(self, title: str, since: int = 0) -> Table:
-        table = Table(title=title, title_justify="left")
-        for column in ("check", "expected", "actual", ""):
-            table.add_column(column, overflow="fold")
-        for what, expected, actual, ok in self.rows[since:]:
-            table.add_row(what, expected, actual, "[green]ok[/]" if ok else "[red]FAIL[/]")
-        return table
 
 
 @dataclass
@@ -90,12 +68,10 @@ class Legacy:
         return self.body["reference"]
 
 
-class Demo:
+class Demo(CheckedDemo):
     def __init__(self, system: System, duplicate: bool) -> None:
-        self.system = system
+        super().__init__(system)
         self.duplicate = duplicate
-        self.checks = Checks()
-        self.http = httpx.Client(timeout=30)
         self.today = datetime.now(UTC).date()
         self.api = None
 

@@ -29,9 +29,8 @@ import uuid
 import httpx
 import typer
 
-from demos.reconcile import Checks
 from demos.story import step, terminal
-from demos.system import System, payment_body, run_demo
+from demos.system import CheckedDemo, System, payment_body, run_demo
 
 console = terminal()
 AMOUNT, REFUND, REFUNDS = 10_000, 300, 50
@@ -51,13 +50,7 @@ async def race(urls: list[str], auth: dict[str, str], payment_id: str) -> list[t
         return list(await asyncio.gather(*(one(n) for n in range(REFUNDS))))
 
 
-class Demo:
-    def __init__(self, system: System) -> None:
-        self.system = system
-        self.db = system.db
-        self.http = httpx.Client(timeout=30)
-        self.checks = Checks()
-
+class Demo(CheckedDemo):
     def run(self) -> None:
         system, db = self.system, self.db
         apis = [system.api(name="api-a"), system.api(name="api-b")]

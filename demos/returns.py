@@ -30,26 +30,18 @@ import os
 import uuid
 from datetime import UTC, datetime, timedelta
 
-import httpx
 import typer
 from rich.table import Table
 
 from app.outbox.endpoints import new_secret
-from demos.reconcile import Checks
 from demos.story import step, terminal
-from demos.system import System, payment_body, run_demo, wait_for
+from demos.system import CheckedDemo, System, payment_body, run_demo, wait_for
 
 console = terminal()
 DAYS_LATER = 3
 
 
-class Demo:
-    def __init__(self, system: System) -> None:
-        self.system = system
-        self.db = system.db
-        self.http = httpx.Client(timeout=30)
-        self.checks = Checks()
-
+class Demo(CheckedDemo):
     def rail_notifications(self) -> list[dict]:
         return self.http.get(self.system.rail.url + "/_admin/notifications").json()["items"]
 

@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,49 @@ def session(console: Any, system: System, rail_args: tuple[str, ...] = ()) -> It
         console.print(f"[dim]process logs: {system.logs}[/]")
 
 
+@dataclass
+class Checks:
+    """What a demo checked, row by row: what, expected, actual, and whether they agree."""
+
+    rows: list[tuple[str, str, str, bool]] = field(default_factory=list)
+
+    def check(self, what: str, expected: object, actual: object, ok: bool | None = None) -> bool:
+        ok = expected == actual if ok is None else ok
+        self.rows.append((what, str(expected), str(actual), ok))
+        return ok
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(ok for *_, ok in self.rows)
+
+    def table(self, title: str, since: int = 0) -> Any:
+        from rich.table import Table
+
+        table = Table(title=title, title_justify="left")
+        for column in ("check", "expected", "actual", ""):
+            table.add_column(column, overflow="fold")
+        for what, expected, actual, ok in self.rows[since:]:
+            table.add_row(what, expected, actual, "[green]ok[/]" if ok else "[red]FAIL[/]")
+        return table
+
+
+class CheckedDemo:
+    """A demo `run_demo` drives: made once the system is up, with an HTTP client and checks of its own.
+
+    `run` tells the story and records what it checks; `run_demo` closes the
+    client and gives the verdict from the checks.
+    """
+
+    def __init__(self, system: System) -> None:
+        self.system = system
+        self.db = system.db
+        self.http = httpx.Client(timeout=30)
+        self.checks = Checks()
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+
 def wait_for(what: str, condition: Callable[[], Any], timeout: float = 30.0) -> None:
     """Poll `condition` (durable state) until it holds; DemoError naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -176,7 +220,7 @@ def wait_for(what: str, condition: Callable[[], Any], timeout: float = 30.0) -> 
 
 
 def run_demo(
-    console: Any, system: System, make_demo: Callable[[System], Any], *, name: str, starting: str, passed: str,
+    console: Any, system: System, make_demo: Callable[[System], CheckedDemo], *, name: str, starting: str, passed: str,
     start_args: tuple[str, ...] = (),
 ) -> None:
     """Start `system`, run `make_demo(system)`, always stop every process, then print PASS or FAIL (exit 1).

@@ -24,15 +24,13 @@ from __future__ import annotations
 import json
 import uuid
 
-import httpx
 import typer
 from rich.panel import Panel
 from rich.table import Table
 
 from app.outbox.endpoints import new_secret
-from demos.reconcile import Checks
 from demos.story import step, terminal
-from demos.system import DemoError, System, payment_body, run_demo, wait_for
+from demos.system import CheckedDemo, DemoError, System, payment_body, run_demo, wait_for
 
 console = terminal()
 POINT = "webhook-after-delivery"
@@ -42,13 +40,7 @@ WORKER = {"WORKER_POLL_SECONDS": "0.2", "WEBHOOK_POLL_SECONDS": "0.2", "WEBHOOK_
           "WEBHOOK_LEASE_SECONDS": LEASE_SECONDS}
 
 
-class Demo:
-    def __init__(self, system: System) -> None:
-        self.system = system
-        self.db = system.db
-        self.http = httpx.Client(timeout=30)
-        self.checks = Checks()
-
+class Demo(CheckedDemo):
     def cursor(self, event_id) -> tuple[bool, bool]:
         """Whether the dispatchers' cursor is past the event, and whether a dispatcher holds it now."""
         row = self.db.fetchrow(
