@@ -16,8 +16,8 @@ def envelope(data: dict) -> dict:
 
 
 def test_a_list_counts_every_event_it_carries_those_of_no_payment_too():
-    """Bug caught: the count taken from the references (as until 2026-12-05), so that a list of a batch's
-    events, which name no payment, was logged as one event."""
+    """Bug caught: the count taken from the references, so that a list of a batch's events,
+    which name no payment, is logged as one event."""
     items = [{"id": "e1", **envelope({"reference": "r1"})},
              {"id": "e2", "type": "batch.completed", "timestamp": "2026-12-05T00:00:00Z", "data": {"batch_id": "b"}},
              {"id": "e3", **envelope({"reference": "r3"})}]

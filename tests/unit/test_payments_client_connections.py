@@ -55,9 +55,9 @@ def test_an_idle_connection_is_given_up_a_second_before_the_service_closes_it(se
     """`payments api` closes a kept-alive connection after TIMEOUT_KEEP_ALIVE (5 s) idle.
 
     Bug caught: the client keeping an idle connection as long as the server
-    does (httpx's default, 5 s, as until 2026-12-07), so that a payment is
-    written on a connection just as the service closes it: an attempt lost
-    to a transport error, and a retry.
+    does (httpx's default, 5 s), so that a payment is written on a
+    connection just as the service closes it: an attempt lost to a
+    transport error, and a retry.
     """
     url = f"http://127.0.0.1:{server.server_address[1]}/healthz"
     with PaymentsClient(url, "sk_test", store=tmp_path / "operations.json") as client:

@@ -137,9 +137,9 @@ async def test_a_connection_idle_almost_as_long_as_a_common_servers_keep_alive_i
     """uvicorn (the fakes' server, and many a PSP's) closes a connection idle for its keep-alive, 5 s.
 
     Bug caught: the client keeping an idle connection as long as the server
-    does (httpx's default, 5 s, as until 2026-12-07), so that a charge is
-    written on a connection just as the server closes it: the charge is lost
-    unanswered, an Unknown outcome for a call the PSP never received.
+    does (httpx's default, 5 s), so that a charge is written on a
+    connection just as the server closes it: the charge is lost unanswered,
+    an Unknown outcome for a call the PSP never received.
     """
     server = Server(json_answer(201, CHARGE))
     url = await serve(server)
