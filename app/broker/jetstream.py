@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import uuid
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ DEAD_SUBJECT = "payments.batch.dead"
 DURABLE = "payments"
 DUPLICATE_WINDOW_SECONDS = 120.0
 MSG_ID = "Nats-Msg-Id"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,22 @@ async def connect(url: str, name: str) -> Client:
     """
     return await nats.connect(
         servers=servers(url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=2,
-        allow_reconnect=True,
+        allow_reconnect=True, error_cb=_report,
     )
+
+
+async def _report(exc: Exception) -> None:
+    """What the connection meets in the background (the server gone, a reconnect refused): one line each.
+
+    nats-py's default logs every such error at ERROR with its traceback: one
+    for each attempt to reconnect while a broker restarts, and a screenful
+    whenever the server stops before its consumers (Ctrl-C in `make run`
+    reaches both at once). A broker gone is a pause `connect` rides out, not
+    a fault in this process; what to do about a broker that stays away is
+    the operator's, told by the warnings that go on.
+    """
+    message = str(exc).splitlines()[0][:200] if str(exc) else ""
+    log.warning("the broker connection: %s%s", type(exc).__name__, f": {message}" if message else "")
 
 
 async def ensure_streams(js: JetStreamContext, *, replicas: int = 1) -> None:
