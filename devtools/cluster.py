@@ -94,7 +94,8 @@ def run_cluster(args: argparse.Namespace, console: Console,
         consumers = getattr(args, "consumers", 0)
         if nats_nodes:
             with console.status(f"starting a {nats_nodes}-node NATS JetStream cluster"):
-                system.start_nats_cluster(directory.parent / "nats-cluster", nats_nodes, ports=nats_ports)
+                system.start_nats_cluster(directory.parent / "nats-cluster", nats_nodes, ports=nats_ports,
+                                          logs=directory.parent / "nats-cluster")
         elif consumers:
             system.start_nats(directory.parent / "nats")  # NATS_URL's
         for n in range(1, consumers + 1):
@@ -114,6 +115,7 @@ def run_cluster(args: argparse.Namespace, console: Console,
             nodes = [p for p in system.processes if p.name.startswith("nats-")]
             console.print("           a node killed (" + ", ".join(f"{p.name} pid {p.pid}" for p in nodes)
                           + ") is started again; the batches carry on meanwhile")
+            console.print(f"           the nodes' logs: {directory.parent / 'nats-cluster'}/nats-N.log")
         banner(console)
         print_pay_once(console, balancer.url, api_key)
         print_console_link(console, balancer.url, operator_token)

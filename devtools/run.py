@@ -118,11 +118,16 @@ def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant
         system.start_api("API", port=api_port, API_METRICS_PORT=api_metrics_port)
         system.start_worker("worker", WORKER_METRICS_PORT=metrics_port)
         # Payment batches (docs/batches.md): NATS_URL's broker, else one from
-        # the wheel with its streams in .data/nats, and one consumer.
+        # the wheel with its streams in .data/nats, and one consumer. The
+        # server's own output (a start-up banner, then little) goes to a
+        # file: the terminal is for our processes' lines.
         data = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data"))
-        broker = system.start_nats(data / "nats", port=int(os.environ.get("NATS_PORT", "8104")))
+        broker = system.start_nats(data / "nats", port=int(os.environ.get("NATS_PORT", "8104")),
+                                   log=data / "nats-server.log")
         system.start_consumer("consumer")
-        console.print(f"NATS       {broker.url}   (payment batches: `payments consume` is running; docs/batches.md)")
+        own_log = f"; the server's log: {broker.process.log}" if broker.process and broker.process.log else ""
+        console.print(f"NATS       {broker.url}   (payment batches: `payments consume` is running; docs/batches.md"
+                      f"{own_log})")
         _print_welcome(console, api_port, psp_port, rail_port, merchant_port, api_key, metrics_port=metrics_port,
                        api_metrics_port=api_metrics_port)
         print_console_link(console, f"http://127.0.0.1:{api_port}", operator_token)
@@ -171,8 +176,11 @@ def supervise(system: System, console: Console, start: Callable[[], None],
                 except NotHealthy as exc:
                     console.print(f"[red]{exc}[/]")
             time.sleep(0.5)
-        exited = ", ".join(process.name for process in system.processes if not process.running)
-        console.print(f"[red]{exited} exited; stopping everything[/]")
+        exited = [process for process in system.processes if not process.running]
+        console.print(f"[red]{', '.join(process.name for process in exited)} exited; stopping everything[/]")
+        for process in exited:  # one whose output goes to a file: its last words, here
+            if tail := process.tail(10):
+                console.print(f"the end of {process.log}:\n{tail}", markup=False, highlight=False)
         failed = True
     except KeyboardInterrupt:
         console.print("\nstopping")

@@ -209,29 +209,32 @@ class System:
         """
         return self.spawn(self.worker_process(name, **settings))
 
-    def start_nats(self, store_dir: Path, *, url: str | None = None, port: int | None = None) -> embedded_nats.Broker:
+    def start_nats(self, store_dir: Path, *, url: str | None = None, port: int | None = None,
+                   log: Path | None = None) -> embedded_nats.Broker:
         """The NATS server at `url` (default: NATS_URL's), else one of our own from the wheel, its streams in
-        `store_dir`; it becomes this system's broker, which its consumers use."""
+        `store_dir` and its output in `log` (default: nats-server.log among this system's logs, if it keeps
+        any); it becomes this system's broker, which its consumers use."""
         url = url or self._base().get("NATS_URL") or os.environ.get("NATS_URL")
         if url:
             broker = embedded_nats.Broker(url, None)
         else:
-            log = None if self.logs is None else self.logs / "nats-server.log"
+            log = log or (None if self.logs is None else self.logs / "nats-server.log")
             broker = embedded_nats.nats_broker(store_dir, port=port, env=self._base(), log=log)
             self.spawn(broker.process)
         self.nats_url, self.nats_replicas = broker.url, None
         return broker
 
-    def start_nats_cluster(self, store_root: Path, nodes: int = 3, *,
-                           ports: list[int] | None = None) -> embedded_nats.Cluster:
+    def start_nats_cluster(self, store_root: Path, nodes: int = 3, *, ports: list[int] | None = None,
+                           logs: Path | None = None) -> embedded_nats.Cluster:
         """`nodes` NATS servers of our own as one JetStream cluster, its streams on every node
         (BATCH_STREAM_REPLICAS for the consumers); it becomes this system's broker, its consumers given
-        every node's URL.
+        every node's URL. Node n's output goes to nats-n.log in `logs` (default: this system's logs, if it
+        keeps any).
 
         Started together: a node is healthy only once a majority of them has
         elected the cluster's JetStream leader, so waiting on each in turn would wait for ever.
         """
-        logs = self.logs
+        logs = logs or self.logs
         cluster = embedded_nats.nats_cluster(store_root, nodes, ports=ports, env=self._base(), logs=logs)
         processes = [node.process for node in cluster.nodes]
         for process in processes:
