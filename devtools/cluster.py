@@ -92,10 +92,10 @@ def run_cluster(args: argparse.Namespace, console: Console,
             system.start_worker(f"worker {n}")
         balancer = system.start_nginx(apis, directory, port=args.port)
         consumers = getattr(args, "consumers", 0)
+        nats_directory = directory.parent / "nats-cluster"  # each node's store and log
         if nats_nodes:
             with console.status(f"starting a {nats_nodes}-node NATS JetStream cluster"):
-                system.start_nats_cluster(directory.parent / "nats-cluster", nats_nodes, ports=nats_ports,
-                                          logs=directory.parent / "nats-cluster")
+                system.start_nats_cluster(nats_directory, nats_nodes, ports=nats_ports, logs=nats_directory)
         elif consumers:
             system.start_nats(directory.parent / "nats")  # NATS_URL's
         for n in range(1, consumers + 1):
@@ -115,7 +115,7 @@ def run_cluster(args: argparse.Namespace, console: Console,
             nodes = [p for p in system.processes if p.name.startswith("nats-")]
             console.print("           a node killed (" + ", ".join(f"{p.name} pid {p.pid}" for p in nodes)
                           + ") is started again; the batches carry on meanwhile")
-            console.print(f"           the nodes' logs: {directory.parent / 'nats-cluster'}/nats-N.log")
+            console.print(f"           the nodes' logs: {nats_directory}/nats-N.log")
         banner(console)
         print_pay_once(console, balancer.url, api_key)
         print_console_link(console, balancer.url, operator_token)

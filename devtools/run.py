@@ -125,7 +125,7 @@ def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant
         broker = system.start_nats(data / "nats", port=int(os.environ.get("NATS_PORT", "8104")),
                                    log=data / "nats-server.log")
         system.start_consumer("consumer")
-        own_log = f"; the server's log: {broker.process.log}" if broker.process and broker.process.log else ""
+        own_log = f"; the server's log: {broker.process.log}" if broker.process else ""  # none for NATS_URL's
         console.print(f"NATS       {broker.url}   (payment batches: `payments consume` is running; docs/batches.md"
                       f"{own_log})")
         _print_welcome(console, api_port, psp_port, rail_port, merchant_port, api_key, metrics_port=metrics_port,
@@ -178,7 +178,9 @@ def supervise(system: System, console: Console, start: Callable[[], None],
             time.sleep(0.5)
         exited = [process for process in system.processes if not process.running]
         console.print(f"[red]{', '.join(process.name for process in exited)} exited; stopping everything[/]")
-        for process in exited:  # one whose output goes to a file: its last words, here
+        # One whose output goes to a file (the NATS server's) would otherwise
+        # be gone without a word on the terminal: its last lines, here.
+        for process in exited:
             if tail := process.tail(10):
                 console.print(f"the end of {process.log}:\n{tail}", markup=False, highlight=False)
         failed = True

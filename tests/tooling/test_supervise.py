@@ -24,7 +24,7 @@ from devtools.system import System
 
 @pytest.fixture
 def own_signal_handlers():
-    """supervise() takes SIGTERM and SIGHUP, and ignores them while it cleans up: give them back."""
+    """supervise() takes SIGTERM and SIGHUP, and ignores those and SIGINT while it cleans up: give all three back."""
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     yield
     for sig, handler in saved.items():
