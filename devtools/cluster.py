@@ -80,7 +80,8 @@ def run_cluster(args: argparse.Namespace, console: Console,
 
     operator_token = os.environ.get("OPERATOR_TOKEN") or kept_operator_token()
     # Read at a terminal: the readable log format, unless LOG_FORMAT says otherwise.
-    system = System(environ={"LOG_FORMAT": "console"} | dict(os.environ, OPERATOR_TOKEN=operator_token))
+    system = System(environ={"LOG_FORMAT": "console"} | dict(os.environ, OPERATOR_TOKEN=operator_token),
+                    own_process_groups=True)  # a Ctrl-C is ours to act on: supervise()
     directory = Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")).resolve() / "nginx"
 
     def start() -> None:

@@ -37,7 +37,8 @@ def main() -> None:
     if find_programs() is None:
         console.print(f"[red]{INSTALL_HINT}[/]")
         raise SystemExit(2)
-    ha = HaCluster(Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")).resolve() / "ha", base_port=args.base_port)
+    ha = HaCluster(Path(os.environ.get("PAYMENTS_DATA_DIR", ".data")).resolve() / "ha", base_port=args.base_port,
+                   own_process_groups=True)  # stopped after the APIs and workers, not by the Ctrl-C at once
 
     def databases(system: System, console: Console) -> tuple[str, str]:
         with console.status("starting etcd, three PostgreSQL nodes under Patroni, and HAProxy"):

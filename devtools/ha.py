@@ -130,11 +130,17 @@ class Ports:
 
 
 class HaCluster:
-    """etcd, three Patroni nodes and HAProxy, in `root`; stopped together, in reverse."""
+    """etcd, three Patroni nodes and HAProxy, in `root`; stopped together, in reverse.
+
+    `own_process_groups`: each process in a group of its own, out of reach of a
+    Ctrl-C at the terminal (`make cluster-ha`: the database stays up until the
+    APIs and workers on it have stopped); as devtools/system.py::System's.
+    """
 
     def __init__(self, root: Path, *, base_port: int = 0, nodes: int = 3, logs: Path | None = None,
-                 synchronous: bool = True, namespaces: bool = False) -> None:
+                 synchronous: bool = True, namespaces: bool = False, own_process_groups: bool = False) -> None:
         self.root = root  # made anew by start: nothing else may live there
+        self.own_process_groups = own_process_groups
         # False only to measure what asynchronous replication loses (make soak-ha ASYNC=1, a report).
         self.synchronous = synchronous
         self.logs = logs or root / "logs"
@@ -389,6 +395,7 @@ backend primary_for_reads
 {servers("-primary")}"""
 
     def _spawn(self, process: Process) -> None:
+        process.own_group = self.own_process_groups
         process.start()
         self._exit.callback(process.stop)
 

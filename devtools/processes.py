@@ -210,6 +210,10 @@ class Process:
     grace: float = 10
     # Run it as this user (we are root and it should not be: nginx).
     user: str | None = None
+    # In a process group of its own: a Ctrl-C at the terminal then reaches
+    # only the supervisor that started it, which stops its processes one by
+    # one in reverse (System(own_process_groups=True), for `make run`).
+    own_group: bool = False
     popen: subprocess.Popen | None = None
 
     @property
@@ -223,13 +227,17 @@ class Process:
 
     def start(self) -> Process:
         """Spawn it and wait until it is up; NotHealthy (with its log's tail) if it is not."""
+        group = 0 if self.own_group else None  # 0: a new group, named by the child's pid
         if self.log is None:
-            self.popen = subprocess.Popen(self.argv, env=self.env, user=self.user)
+            # A group that is not the terminal's foreground is stopped (SIGTTIN)
+            # if it reads the terminal: such a child reads nothing instead.
+            stdin = subprocess.DEVNULL if self.own_group else None
+            self.popen = subprocess.Popen(self.argv, env=self.env, user=self.user, process_group=group, stdin=stdin)
         else:
             self.log.parent.mkdir(parents=True, exist_ok=True)
             with self.log.open("ab") as log:
                 self.popen = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, user=self.user)
+                                              stdin=subprocess.DEVNULL, user=self.user, process_group=group)
         try:
             if self.port is not None:
                 wait_healthy(self.name, self.url, self.popen, timeout=self.timeout, ready=self.ready or (lambda: True))

@@ -94,7 +94,8 @@ def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant
     operator_token = os.environ.get("OPERATOR_TOKEN") or kept_operator_token()
     # A person reads these processes' lines at the terminal: the readable
     # log format, unless LOG_FORMAT says otherwise (README.md#configuration).
-    system = System(environ={"LOG_FORMAT": "console"} | dict(os.environ, OPERATOR_TOKEN=operator_token))
+    system = System(environ={"LOG_FORMAT": "console"} | dict(os.environ, OPERATOR_TOKEN=operator_token),
+                    own_process_groups=True)  # a Ctrl-C is ours to act on: supervise()
     metrics_port = os.environ.get("WORKER_METRICS_PORT", "8200")
     api_metrics_port = os.environ.get("API_METRICS_PORT", "8201")
 
@@ -151,6 +152,13 @@ def open_database(system: System, console: Console) -> str:
 def supervise(system: System, console: Console, start: Callable[[], None],
               restart: Callable[[Process], bool] = lambda process: False) -> None:
     """`start` the system, then watch it until Ctrl-C, SIGTERM, SIGHUP or a process exits; always stop it all.
+
+    Stopped in reverse, one by one: the consumer while its broker is still
+    up, the API and the worker while their database is. A system made with
+    `own_process_groups` keeps its processes out of the terminal's reach,
+    so a Ctrl-C stops only this loop, which then stops them in that order;
+    without it, the Ctrl-C reaches every process at once, and a consumer
+    sees its broker go before it is told to stop.
 
     A process `restart` names (a NATS cluster's node, which a person kills to
     see the cluster carry on) is started again when it exits, instead.

@@ -107,11 +107,16 @@ class System:
     terminal (`make run`). `settings`: environment settings every
     service process (API, worker) gets. `environ`: the environment they
     start from; by default an explicit one (processes.py::child_env).
+    `own_process_groups`: each process in a group of its own, out of reach
+    of a Ctrl-C at the terminal, which then stops only the caller; the
+    caller stops them, in reverse (`make run` and `make cluster`:
+    devtools/run.py::supervise).
     """
 
     def __init__(self, logs: Path | None = None, *, settings: dict[str, str] | None = None,
-                 environ: dict[str, str] | None = None) -> None:
+                 environ: dict[str, str] | None = None, own_process_groups: bool = False) -> None:
         self.logs = logs
+        self.own_process_groups = own_process_groups
         self.settings = dict(settings or {})
         self.environ = environ
         self.postgres: Postgres | None = None
@@ -236,10 +241,7 @@ class System:
         """
         logs = logs or self.logs
         cluster = embedded_nats.nats_cluster(store_root, nodes, ports=ports, env=self._base(), logs=logs)
-        processes = [node.process for node in cluster.nodes]
-        for process in processes:
-            self.processes.append(process)
-            self._exit.callback(process.stop)
+        processes = [self._keep(node.process) for node in cluster.nodes]
         with ThreadPoolExecutor(len(processes)) as pool:
             for started in [pool.submit(p.start) for p in processes]:
                 started.result()
@@ -334,9 +336,14 @@ class System:
 
     def spawn(self, process: Process) -> Process:
         """Start `process` (waiting until it is up); it is stopped with the system."""
+        return self._keep(process).start()
+
+    def _keep(self, process: Process) -> Process:
+        """`process`, one of this system's from now on: stopped with it, in reverse."""
+        process.own_group = self.own_process_groups
         self.processes.append(process)
         self._exit.callback(process.stop)
-        return process.start()
+        return process
 
     def defer(self, fn: Callable[..., Any], *args: Any) -> None:
         """Call `fn(*args)` when the system stops (in reverse order with the rest)."""
@@ -347,7 +354,8 @@ class System:
 
     def scope(self, logs: Path | None = None) -> System:
         """A system on this one's database and fakes, with its settings, owning only what it starts itself."""
-        scoped = System(logs if logs is not None else self.logs, settings=self.settings, environ=self.environ)
+        scoped = System(logs if logs is not None else self.logs, settings=self.settings, environ=self.environ,
+                        own_process_groups=self.own_process_groups)
         scoped.postgres, scoped.database_url, scoped.psp, scoped.rail, scoped.merchant, scoped.nats_url = (
             self.postgres, self.database_url, self.psp, self.rail, self.merchant, self.nats_url)
         scoped.nats_replicas = self.nats_replicas
