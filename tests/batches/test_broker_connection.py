@@ -17,7 +17,7 @@ from devtools.processes import child_env
 from tests.support import until
 
 
-async def test_a_broker_gone_is_a_warning_line_an_error_and_the_connection_comes_back(tmp_path, caplog):
+async def test_each_error_of_a_broker_gone_is_one_warning_line_and_the_connection_comes_back(tmp_path, caplog):
     broker = nats_broker(tmp_path / "nats", env=child_env(), log=tmp_path / "nats-server.log")
     server = broker.process.start()
     caplog.set_level(logging.INFO)
