@@ -18,9 +18,12 @@ What the broker promises, and what it does not (docs/batches.md#what-the-broker-
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -122,13 +125,47 @@ async def dead_letter(js: JetStreamContext, message: RowMessage, reason: str, de
     })
 
 
-async def subscribe(js: JetStreamContext, *, ack_wait: float, max_ack_pending: int) -> JetStreamContext.PullSubscription:
+async def subscribe(js: JetStreamContext, *, ack_wait: float, max_ack_pending: int, replicas: int = 1,
+                    leader_within: float = 10.0) -> JetStreamContext.PullSubscription:
     """The durable pull consumer every `payments consume` shares: each message goes to one of them at a time.
 
     No `max_deliver`: how often a row is tried is our decision, made per
     failure (app/payments/batches/consumption.py), so that a database
     outage never dead-letters a row while a poison row is stopped after a few.
+
+    On a cluster (`replicas` above 1) the durable consumer is a group of
+    its own that elects a leader once it is made, and a fetch before that
+    is answered "unavailable". The first `payments consume` on a new
+    cluster makes it, and the one that binds while it is being made gets it
+    back leaderless: so this returns once it has a leader, and raises
+    NoLeader if it has none within `leader_within` seconds.
     """
     config = ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
                             ack_wait=ack_wait, max_deliver=-1, max_ack_pending=max_ack_pending)
-    return await js.pull_subscribe(SUBJECT, durable=DURABLE, stream=STREAM, config=config)
+    sub = await js.pull_subscribe(SUBJECT, durable=DURABLE, stream=STREAM, config=config)
+    if replicas > 1:
+        try:
+            await _until_led(js, leader_within)
+        except BaseException:
+            # The caller binds again: not a second subscription beside this one.
+            with contextlib.suppress(nats.errors.Error):  # a closed connection has none left to drop
+                await sub.unsubscribe()
+            raise
+    return sub
+
+
+class NoLeader(Exception):
+    """The durable consumer has no leader in the cluster yet."""
+
+
+async def _until_led(js: JetStreamContext, within: float) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        info = await js.consumer_info(STREAM, DURABLE)
+        if info.cluster is not None and info.cluster.leader:
+            return
+        if time.monotonic() > deadline:
+            raise NoLeader(f"the durable consumer {DURABLE!r} has no leader after {within:g} s")
+        # Polled: the broker announces no election to a client, and on a
+        # healthy cluster one is over within a few polls.
+        await asyncio.sleep(0.05)

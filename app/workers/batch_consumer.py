@@ -78,7 +78,7 @@ async def consume_loop(services: Services, js, stop: asyncio.Event) -> None:
     settings = services.settings
     sub = await until_answered(stop, "bind to the durable consumer", lambda: jetstream.subscribe(
         js, ack_wait=settings.batch_ack_wait_seconds,
-        max_ack_pending=max(1000, settings.batch_consumer_concurrency * 4)))
+        max_ack_pending=max(1000, settings.batch_consumer_concurrency * 4), replicas=settings.batch_stream_replicas))
     if sub is None:
         return
     slots = asyncio.Semaphore(settings.batch_consumer_concurrency)

@@ -8,7 +8,10 @@ and left dead until the batch has completed: the batch finishes on the other two
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+
+import nats
 
 from app.broker import jetstream
 from tests.batches.support import (  # noqa: F401  (nats_cluster: a fixture)
@@ -72,3 +75,43 @@ async def test_the_streams_are_replicated_on_every_node_of_the_cluster(http, sta
 
     # (While it is being placed the leader may list itself among them too: at least the two others.)
     assert len(await cluster_answer(nats_cluster, durable_peers, "the durable consumer's replicas")) >= 2
+
+
+async def test_two_consumers_binding_on_a_new_cluster_are_each_bound_to_a_consumer_with_a_leader(nats_cluster):
+    # Would catch: subscribe() returning before the durable consumer has a leader. Two consumers
+    # start on a new cluster at once, as `make cluster`'s do: each connects, makes the streams and
+    # binds, asking again while the new cluster answers "not yet" (as until_answered does in
+    # app/workers/batch_consumer.py). The one that binds while the other is making the durable
+    # consumer got it back leaderless, and its first fetches were answered "unavailable": a
+    # warning line on the first `make cluster` of a new store.
+    clients = []
+
+    async def answer(request, what: str):
+        answered = None
+
+        async def asked() -> bool:
+            nonlocal answered
+            try:
+                answered = await request()
+            except (nats.errors.Error, TimeoutError, jetstream.NoLeader):
+                return False
+            return True
+
+        await until(asked, what)
+        return answered
+
+    async def bind(name):
+        nc = await jetstream.connect(nats_cluster.url, name)
+        clients.append(nc)
+        js = nc.jetstream()
+        await answer(lambda: jetstream.ensure_streams(js, replicas=3), "the batch streams")
+        await answer(lambda: jetstream.subscribe(js, ack_wait=30, max_ack_pending=100, replicas=3), "a binding")
+        # Asked at once (again only if the cluster does not answer): a leader elected later would not do.
+        info = await answer(lambda: js.consumer_info(jetstream.STREAM, jetstream.DURABLE), "the consumer's info")
+        assert info.cluster is not None and info.cluster.leader, f"{name} bound to a leaderless consumer: {info}"
+
+    try:
+        await asyncio.gather(bind("test-1"), bind("test-2"))
+    finally:
+        for nc in clients:
+            await nc.close()
