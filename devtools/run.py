@@ -127,10 +127,10 @@ def run(console: Console, api_port: int, psp_port: int, rail_port: int, merchant
                                    log=data / "nats-server.log")
         system.start_consumer("consumer")
         own_log = f"; the server's log: {broker.process.log}" if broker.process else ""  # none for NATS_URL's
-        console.print(f"NATS       {broker.url}   (payment batches: `payments consume` is running; docs/batches.md"
-                      f"{own_log})")
         _print_welcome(console, api_port, psp_port, rail_port, merchant_port, api_key, metrics_port=metrics_port,
-                       api_metrics_port=api_metrics_port)
+                       api_metrics_port=api_metrics_port,
+                       nats=f"{broker.url}   (payment batches: `payments consume` is running; docs/batches.md"
+                            f"{own_log})")
         print_console_link(console, f"http://127.0.0.1:{api_port}", operator_token)
         console.print(STOP_HINT)
 
@@ -274,7 +274,7 @@ def demo_webhook_secret(system: System, url: str, api_key: str, webhook_url: str
 
 
 def _print_welcome(console: Console, api_port: int, psp_port: int, rail_port: int, merchant_port: int,
-                   api_key: str, *, metrics_port: str = "8200", api_metrics_port: str = "8201") -> None:
+                   api_key: str, *, metrics_port: str = "8200", api_metrics_port: str = "8201", nats: str) -> None:
     console.rule("[bold green]exactly-once payments is running")
     console.print(f"API        http://127.0.0.1:{api_port}   (OpenAPI UI: http://127.0.0.1:{api_port}/docs)")
     console.print(f"fake PSP   http://127.0.0.1:{psp_port}   (records: /_admin/charges)")
@@ -282,6 +282,7 @@ def _print_welcome(console: Console, api_port: int, psp_port: int, rail_port: in
                   "POST /_admin/return {\"end_to_end_reference\": ..., \"reason_code\": \"AC04\"})")
     console.print(f"merchant   http://127.0.0.1:{merchant_port}   (the demo client's webhooks: /_admin/received, /_admin/inbox)")
     console.print("worker     resumes any payment whose owner died, reconciles, delivers webhooks")
+    console.print(f"NATS       {nats}")
     console.print(f"metrics    http://127.0.0.1:{api_metrics_port}/metrics (API), http://127.0.0.1:{metrics_port}/metrics "
                   "(worker): docs/operations.md")
     print_pay_once(console, f"http://127.0.0.1:{api_port}", api_key)
