@@ -90,7 +90,7 @@ async def consume_loop(services: Services, js, stop: asyncio.Event) -> None:
             await handle(services, js, msg)
         except Exception as exc:
             log.warning("could not answer the broker for a row (%s); it is redelivered after the ack wait",
-                        describe(exc))
+                        jetstream.describe(exc))
         finally:
             slots.release()
 
@@ -106,7 +106,7 @@ async def consume_loop(services: Services, js, stop: asyncio.Event) -> None:
             continue
         except Exception as exc:
             failures += 1
-            log.warning("fetching from the broker failed: %s", describe(exc))
+            log.warning("fetching from the broker failed: %s", jetstream.describe(exc))
             await pause(stop, outage_backoff(failures, 0.2, 5.0))
             continue
         for msg in msgs:
@@ -148,7 +148,7 @@ async def until_answered(stop: asyncio.Event, what: str, request):
             return await request()
         except Exception as exc:
             failures += 1
-            log.warning("the broker could not %s yet (%s); asking again", what, describe(exc))
+            log.warning("the broker could not %s yet (%s); asking again", what, jetstream.describe(exc))
             await pause(stop, outage_backoff(failures, 0.2, 5.0))
     return None
 

@@ -102,7 +102,7 @@ async def publish_once(services: Services, js: JetStreamContext, retry_seconds: 
         # seconds, and the full claim would hold the rows back long after.
         first = next(r for r in results if isinstance(r, BaseException))
         log.warning("%s of %s rows not acknowledged by the broker (%s); published again in %.1f s",
-                    len(failed), len(claimed), describe(first), retry_seconds)
+                    len(failed), len(claimed), jetstream.describe(first), retry_seconds)
         await one_statement(services.engine, retry_in, failed, retry_seconds)
     if published:
         await one_statement(services.engine, delete, published)
