@@ -154,21 +154,6 @@ async def subscribe(js: JetStreamContext, *, ack_wait: float, max_ack_pending: i
     return sub
 
 
-def describe(exc: BaseException) -> str:
-    """One line for a log about a failed request to the broker, in words a person can act on.
-
-    Not app/db/errors.py::describe, which names the innermost error of the
-    chain (the driver's, under SQLAlchemy's): under nats-py's timeout that
-    is asyncio's CancelledError, which says nothing. And JetStream's bare
-    "unavailable" answer prints as `code=None err_code=None description='None'`.
-    """
-    if isinstance(exc, nats.js.errors.ServiceUnavailableError):
-        return ("ServiceUnavailableError: no leader for the stream or the durable consumer now "
-                "(one being elected, or its node gone)")
-    message = str(exc).splitlines()[0][:200] if str(exc) else ""
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-
-
 class NoLeader(Exception):
     """The durable consumer has no leader in the cluster yet."""
 
@@ -184,3 +169,18 @@ async def _until_led(js: JetStreamContext, within: float) -> None:
         # Polled: the broker announces no election to a client, and on a
         # healthy cluster one is over within a few polls.
         await asyncio.sleep(0.05)
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a log about a failed request to the broker, in words a person can act on.
+
+    Not app/db/errors.py::describe, which names the innermost error of the
+    chain (the driver's, under SQLAlchemy's): under nats-py's timeout that
+    is asyncio's CancelledError, which says nothing. And JetStream's bare
+    "unavailable" answer prints as `code=None err_code=None description='None'`.
+    """
+    if isinstance(exc, nats.js.errors.ServiceUnavailableError):
+        return ("ServiceUnavailableError: no leader for the stream or the durable consumer now "
+                "(one being elected, or its node gone)")
+    message = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from rich.console import Console
 
@@ -115,7 +116,9 @@ def test_ctrl_c_reaches_only_the_supervisor_which_stops_the_consumer_while_its_b
         os.killpg(supervisor.pid, signal.SIGINT)
         printed.append(supervisor.communicate(timeout=60)[0])
     finally:
-        if supervisor.poll() is None:
+        if supervisor.poll() is None:  # failed: its children are in groups of their own, so each is killed too
+            for child in psutil.Process(supervisor.pid).children(recursive=True):
+                child.kill()
             os.killpg(supervisor.pid, signal.SIGKILL)
     assert supervisor.returncode == 0, "".join(printed)  # stopped by the user, not failed
     # Neither child saw the Ctrl-C; each was told to stop by the supervisor, the consumer first.
